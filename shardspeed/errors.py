@@ -1,0 +1,24 @@
+"""Every error shardspeed raises on purpose derives from ShardspeedError.
+
+Each message says what was wrong and what to change; callers may catch the base class.
+"""
+
+
+class ShardspeedError(Exception):
+    """Base class of the errors shardspeed raises on purpose."""
+
+
+class ConfigError(ShardspeedError, ValueError):
+    """The configuration is invalid: the message names the key and what it may be."""
+
+
+class DistributedError(ShardspeedError, RuntimeError):
+    """A collective failed, timed out, or ranks disagree (e.g. a rank died or diverged)."""
+
+
+class CheckpointError(ShardspeedError, RuntimeError):
+    """A checkpoint is missing, incomplete or inconsistent with the running job."""
+
+
+class LossScaleError(ShardspeedError, RuntimeError):
+    """Dynamic loss scaling cannot continue (overflow at the minimum scale)."""
