@@ -1,0 +1,174 @@
+"""The smaller blocks: optimizer, scheduler, checkpoint, monitors, profilers, comms logger, aio, pipeline."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .base import ConfigModel, field
+
+
+def _reject_auto_params(params: Dict[str, Any]) -> None:
+    for key, value in params.items():
+        if isinstance(value, str) and value == "auto":
+            raise PydanticCustomError(
+                "auto_unresolved", "'{key}' is \"auto\", which shardspeed cannot derive: the caller (e.g. the "
+                "Hugging Face Trainer) must fill in a value before passing the config",
+                {"key": f"params.{key}"})
+
+
+class OptimizerConfig(ConfigModel):
+    """`optimizer`: the optimizer shardspeed builds when the caller passes none."""
+
+    type: str = field(..., "Optimizer name, case-insensitive: Adam, AdamW, Adagrad, Lamb, Lion, ..., or any "
+                      "torch.optim class name. Adam means AdamW unless params.adam_w_mode is false.")
+    params: Dict[str, Any] = field(default_factory=dict, description="Keyword arguments of the optimizer "
+                                   "(lr, betas, eps, weight_decay, adam_w_mode, torch_adam, ...).")
+    legacy_fusion: bool = field(False, "DeepSpeed: legacy fused fp16 optimizer.", ignored=True)
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "OptimizerConfig":
+        if "max_grad_norm" in self.params:
+            raise PydanticCustomError(
+                "max_grad_norm", "'{key}' is not an optimizer parameter; set the top-level "
+                "\"gradient_clipping\" instead (value {value})",
+                {"key": "params.max_grad_norm", "value": self.params["max_grad_norm"]})
+        _reject_auto_params(self.params)
+        return self
+
+
+class SchedulerConfig(ConfigModel):
+    """`scheduler`: the learning-rate schedule shardspeed builds when the caller passes none."""
+
+    type: str = field(..., "Schedule name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.")
+    params: Dict[str, Any] = field(default_factory=dict, description="Keyword arguments of the schedule "
+                                   "(warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, ...).")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "SchedulerConfig":
+        _reject_auto_params(self.params)
+        return self
+
+
+class ParallelWriteConfig(ConfigModel):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: bool = field(False, "Write pipeline-stage checkpoints in parallel.")
+
+
+class CheckpointConfig(ConfigModel):
+    """`checkpoint`: checkpoint saving and loading."""
+
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = field(
+        "WARN", "What to do when ranks save under different tags: Warn, Ignore or Fail (any case).")
+    load_universal: bool = field(False, "Load a universal (data-parallel-size independent) checkpoint.")
+    use_node_local_storage: bool = field(False, "Each node writes to its own local storage.")
+    parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig,
+                                                description="Parallel writing options.")
+    checkpoint_serialization: bool = field(True, "DeepSpeed: torch.save serialization.", ignored=True)
+    writer: Optional[Dict[str, Any]] = field(None, "DeepSpeed: fast checkpoint writer options.", ignored=True)
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class TensorBoardConfig(ConfigModel):
+    """`tensorboard`: write metrics as TensorBoard events."""
+
+    enabled: bool = field(False, "Log to TensorBoard (needs the tensorboard package).")
+    output_path: str = field("", "Directory of the logs; empty means under the launch directory.")
+    job_name: str = field("DeepSpeedJobName", "Sub-directory of output_path for this job.")
+
+
+class CSVMonitorConfig(ConfigModel):
+    """`csv_monitor`: write metrics as CSV files."""
+
+    enabled: bool = field(False, "Log metrics to CSV files.")
+    output_path: str = field("", "Directory of the files; empty means under the launch directory.")
+    job_name: str = field("DeepSpeedJobName", "Sub-directory of output_path for this job.")
+
+
+class WandbConfig(ConfigModel):
+    """`wandb`: log metrics to Weights & Biases."""
+
+    enabled: bool = field(False, "Log to Weights & Biases (needs the wandb package).")
+    group: Optional[str] = field(None, "Run group.")
+    team: Optional[str] = field(None, "Team (entity).")
+    project: str = field("deepspeed", "Project name.")
+
+
+class CometConfig(ConfigModel):
+    """`comet`: log metrics to Comet (accepted; not implemented)."""
+
+    enabled: bool = field(False, "DeepSpeed: log to Comet.", ignored=True)
+    samples_log_interval: int = field(100, "Samples between submissions.", ignored=True)
+    project: Optional[str] = field(None, "Project name.", ignored=True)
+    workspace: Optional[str] = field(None, "Workspace name.", ignored=True)
+    api_key: Optional[str] = field(None, "API key.", ignored=True)
+    experiment_name: Optional[str] = field(None, "Experiment name.", ignored=True)
+    experiment_key: Optional[str] = field(None, "Experiment key.", ignored=True)
+    online: Optional[bool] = field(None, "Log online (true) or offline.", ignored=True)
+    mode: Optional[str] = field(None, "\"get\", \"create\" or \"get_or_create\".", ignored=True)
+
+
+class FlopsProfilerConfig(ConfigModel):
+    """`flops_profiler`: profile the model's FLOPs at one step."""
+
+    enabled: bool = field(False, "Run the FLOPs profiler.")
+    recompute_fwd_factor: float = field(0.0, "Extra forward passes due to activation recomputation.", ge=0)
+    profile_step: int = field(1, "Training step at which to profile.", ge=1)
+    module_depth: int = field(-1, "Depth of the module tree in the report (-1: all).")
+    top_modules: int = field(1, "How many top modules the report lists.", ge=0)
+    detailed: bool = field(True, "Print the per-module breakdown.")
+    output_file: Optional[str] = field(None, "File for the report; None means stdout.")
+
+
+class ActivationCheckpointingConfig(ConfigModel):
+    """`activation_checkpointing`: DeepSpeed's activation checkpointing API options."""
+
+    partition_activations: bool = field(False, "Shard checkpointed activations across model-parallel ranks.")
+    number_checkpoints: Optional[int] = field(None, "Number of checkpoints, when known.", ge=0)
+    contiguous_memory_optimization: bool = field(False, "Copy checkpoints into a contiguous buffer.")
+    synchronize_checkpoint_boundary: bool = field(False, "Synchronise the device at each checkpoint.")
+    profile: bool = field(False, "Time the checkpointing functions.")
+    cpu_checkpointing: bool = field(False, "Offload partitioned activations to CPU.")
+
+
+class CommsLoggerConfig(ConfigModel):
+    """`comms_logger`: record every collective (op, size, time)."""
+
+    enabled: bool = field(False, "Record collectives.")
+    verbose: bool = field(False, "Print every collective as it completes.")
+    prof_all: bool = field(True, "Record all collectives (else only those in prof_ops).")
+    debug: bool = field(False, "Include the calling function in each record.")
+    prof_ops: List[str] = field(default_factory=list, description="Collective names to record when "
+                                "prof_all is false, e.g. [\"all_reduce\", \"all_gather\"].")
+
+
+class AioConfig(ConfigModel):
+    """`aio`: asynchronous I/O for NVMe offload."""
+
+    ALIASES = {"thread_count": "intra_op_parallelism"}
+
+    block_size: int = field(1_048_576, "Bytes per I/O request.", gt=0)
+    queue_depth: int = field(8, "I/O requests in flight.", gt=0)
+    intra_op_parallelism: int = field(1, "Threads per I/O operation. Also `thread_count` (older name).", gt=0)
+    single_submit: bool = field(False, "Submit requests one at a time (else in batches).")
+    overlap_events: bool = field(True, "Overlap submitting requests with waiting for completions.")
+    use_gds: bool = field(False, "DeepSpeed: GPUDirect Storage.", ignored=True)
+
+
+class PipelineConfig(ConfigModel):
+    """`pipeline`: pipeline-parallel engine options."""
+
+    stages: Any = field("auto", "Number of pipeline stages (\"auto\": from the model).", auto="keep")
+    partition: str = field("best", "How layers are split across stages: \"best\", \"parameters\", "
+                           "\"uniform\", \"type:<regex>\".")
+    seed_layers: bool = field(False, "Seed each layer's initialisation by its index.")
+    activation_checkpoint_interval: int = field(0, "Checkpoint activations every N layers (0: off).", ge=0)
+    pipe_partitioned: bool = field(True, "Shard activations sent between stages across tensor-parallel ranks.")
+    grad_partitioned: bool = field(True, "Shard gradients sent between stages across tensor-parallel ranks.")
+    use_reentrant: bool = field(True, "Use torch's reentrant activation checkpointing.")

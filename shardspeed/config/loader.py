@@ -1,0 +1,177 @@
+"""`load_config`: read, validate and resolve a DeepSpeed-format config; one-line `ConfigError`s."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from pydantic import BaseModel, ValidationError
+
+from shardspeed.errors import ConfigError
+
+from .base import ConfigModel, field_marker
+from .batch import resolve_batch_sizes
+from .models import ShardspeedConfig
+
+logger = logging.getLogger("shardspeed.config")
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+# What a value may be, by pydantic error type.
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "bool_type": "true or false", "bool_parsing": "true or false",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "string_type": "a string", "list_type": "a list", "dict_type": "an object ({...})",
+    "model_type": "an object ({...})", "model_attributes_type": "an object ({...})",
+}
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}
+_EXPECTED_BY_KEY = {"zero_optimization.stage": "0, 1, 2 or 3"}
+
+
+def load_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig, None],
+                world_size: int = 1) -> ShardspeedConfig:
+    """Parse and validate a DeepSpeed-format config and resolve the batch trio for `world_size`
+    data-parallel ranks.
+
+    `config` is a dict (not modified), a path to a JSON file, or a `ShardspeedConfig` (re-resolved for
+    `world_size` from the batch values the user originally gave). Every problem raises `ConfigError`
+    with a one-line message naming the dotted key.
+    """
+    if config is None:
+        raise ConfigError("a config is required: pass a dict, a path to a JSON file, or a ShardspeedConfig")
+    if isinstance(config, ShardspeedConfig):
+        model = config
+    else:
+        if isinstance(config, (str, os.PathLike)):
+            config = read_json(config)
+        if not isinstance(config, dict):
+            raise ConfigError(f"a config must be a dict, a path or a ShardspeedConfig, got {type(config).__name__}")
+        model = validate(config)
+        _warn_ignored(model, "")
+    given = model._given_batch if model._given_batch is not None else tuple(
+        getattr(model, key) for key in _BATCH_KEYS)
+    if given[0] is None and given[1] is None and not isinstance(config, ShardspeedConfig):
+        auto = [key for key in _BATCH_KEYS[:2] if config.get(key) == "auto"]
+        if auto:
+            raise ConfigError(f"{' and '.join(repr(k) for k in auto)} {'is' if len(auto) == 1 else 'are'} "
+                              "\"auto\" and cannot be derived: the caller (e.g. the Hugging Face Trainer) must "
+                              "fill in train_batch_size or train_micro_batch_size_per_gpu")
+    train, micro, gas = resolve_batch_sizes(*given, world_size)
+    resolved = model.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+                                        "gradient_accumulation_steps": gas})
+    resolved._given_batch = given
+    return resolved
+
+
+def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a JSON config file; duplicate keys, a missing file or bad JSON raise `ConfigError`."""
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise ConfigError(f"config file '{name}' does not exist")
+    try:
+        with open(name, encoding="utf-8") as f:
+            data = json.load(f, object_pairs_hook=_reject_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file '{name}' is not valid JSON: {e.msg} at line {e.lineno}, "
+                          f"column {e.colno}") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file '{name}' has the key '{e.args[0]}' twice in one object") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{name}' must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def validate(data: Dict[str, Any]) -> ShardspeedConfig:
+    """`ShardspeedConfig.model_validate` with pydantic's errors turned into one `ConfigError`."""
+    try:
+        return ShardspeedConfig.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        message = format_error(errors[0])
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise ConfigError(message) from None
+
+
+def format_error(error: Dict[str, Any]) -> str:
+    """One line for one pydantic error: the dotted key, the value given and what it may be."""
+    path = _dotted(error["loc"])
+    kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]
+    if kind == "unknown_key":
+        return f"unknown key '{_join(path, ctx['key'].strip(chr(39)))}'{ctx['hint']}"
+    if "key" in ctx:  # our own messages quote a key relative to the block: make it absolute
+        return msg.replace(f"'{ctx['key']}'", f"'{_join(path, ctx['key'])}'", 1)
+    if kind == "duplicate_alias":
+        return msg.replace(f"'{ctx['alias']}'", f"'{_join(path, ctx['alias'])}'", 1).replace(
+            f"'{ctx['name']}'", f"'{_join(path, ctx['name'])}'", 1)
+    if kind == "missing":
+        return f"'{path}' is required"
+    value = _show(error.get("input"))
+    if path in _EXPECTED_BY_KEY and kind in _BOUNDS or kind in ("int_parsing", "int_type") and \
+            path in _EXPECTED_BY_KEY:
+        return f"{path} = {value} is invalid: it must be {_EXPECTED_BY_KEY[path]}"
+    if kind in _EXPECTED:
+        return f"{path} = {value} is invalid: it must be {_EXPECTED[kind]}"
+    if kind in _BOUNDS:
+        bound_key, sign = _BOUNDS[kind]
+        return f"{path} = {value} is invalid: it must be {sign} {ctx.get(bound_key)}"
+    if kind == "literal_error":
+        return f"{path} = {value} is invalid: it must be one of {ctx.get('expected')}"
+    if kind == "dtype":
+        return f"{path} = {value} is invalid: it {msg}"
+    return f"{path}: {msg}" if path else msg
+
+
+def _dotted(loc: Tuple[Any, ...]) -> str:
+    parts: List[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif "[" in item or item in ("int", "str", "float", "bool", "none"):
+            continue  # a union member tag, not a key
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _warn_ignored(model: BaseModel, path: str) -> None:
+    """Log a warning for each accepted-but-ignored key set to a non-default value."""
+    cls = type(model)
+    for name, info in cls.model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, ConfigModel):
+            _warn_ignored(value, _join(path, name))
+        elif field_marker(cls, name, "ignored") and name in model.model_fields_set and \
+                value != info.get_default(call_default_factory=True):
+            logger.warning("'%s' = %s is accepted for DeepSpeed compatibility but shardspeed ignores it",
+                           _join(path, name), _show(value))
+
+
+__all__ = ["load_config", "read_json", "validate", "format_error", "resolve_batch_sizes"]
