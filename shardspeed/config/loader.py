@@ -123,8 +123,7 @@ def format_error(error: Dict[str, Any]) -> str:
     if kind == "missing":
         return f"'{path}' is required"
     value = _show(error.get("input"))
-    if path in _EXPECTED_BY_KEY and kind in _BOUNDS or kind in ("int_parsing", "int_type") and \
-            path in _EXPECTED_BY_KEY:
+    if path in _EXPECTED_BY_KEY and (kind in _BOUNDS or kind in _EXPECTED):
         return f"{path} = {value} is invalid: it must be {_EXPECTED_BY_KEY[path]}"
     if kind in _EXPECTED:
         return f"{path} = {value} is invalid: it must be {_EXPECTED[kind]}"
