@@ -1,0 +1,53 @@
+"""shardspeed: ZeRO-sharded training for PyTorch, a drop-in for DeepSpeed configs.
+
+    engine, optimizer, loader, scheduler = shardspeed.initialize(model=model, config="ds_config.json")
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Tuple
+
+from .dist.init import init_distributed
+from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
+
+__version__ = "0.1.0"
+
+
+def initialize(
+    args: Any = None,
+    model=None,
+    optimizer=None,
+    model_parameters: Optional[Iterable] = None,
+    training_data=None,
+    lr_scheduler=None,
+    mpu=None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+) -> Tuple[Any, Any, Any, Any]:
+    """Build a training engine for ``model`` from a DeepSpeed-format ``config`` (dict or JSON path).
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
+    the data loader is None unless ``training_data`` is given. ``optimizer`` may be a torch optimizer
+    (moved onto the fp32 master weights) or a callable taking parameter groups.
+    """
+    from .runtime.builder import build_engine
+
+    if model is None:
+        raise ConfigError("initialize() needs model=")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+    if mpu is not None:
+        raise ConfigError("mpu= (model-parallel unit) is not supported yet; pass mpu=None")
+    engine = build_engine(model, config, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
+                          dist_init_required=dist_init_required)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+__all__ = [
+    "initialize", "init_distributed", "ShardspeedError", "ConfigError", "DistributedError", "CheckpointError",
+    "LossScaleError", "__version__",
+]

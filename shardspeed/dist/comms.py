@@ -1,0 +1,192 @@
+"""Collectives with a log that counts every byte, and errors that name the failing operation.
+
+Every collective the library issues goes through :class:`Collectives`. Each call is recorded in the
+:class:`CommsLogger` (op, message bytes, elements, the bytes a ring algorithm moves per rank, time from
+launch to completion). ``CommHandle.wait()`` is the host sync point of an asynchronous call.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from .topology import Topology
+
+logger = logging.getLogger(__name__)
+
+#: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
+_RING_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+}
+
+#: Messages of each op expressed in "model-size units": an all-reduce of Ψ counts as 2Ψ (it is a
+#: reduce-scatter plus an all-gather), as in the ZeRO paper's accounting.
+_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+
+
+@dataclass
+class CommRecord:
+    op: str
+    msg_bytes: int
+    numel: int
+    world: int
+    start: float
+    end: Optional[float] = None
+
+    @property
+    def ring_bytes(self) -> float:
+        return self.msg_bytes * _RING_FACTOR[self.op](self.world)
+
+    @property
+    def paper_bytes(self) -> float:
+        return self.msg_bytes * _PAPER_FACTOR[self.op]
+
+
+@dataclass
+class CommsLogger:
+    """Records collectives. ``enabled`` False keeps only the per-op totals (cheap)."""
+
+    enabled: bool = True
+    keep_records: bool = True
+    records: List[CommRecord] = field(default_factory=list)
+
+    def start(self, op: str, tensor: torch.Tensor, world: int) -> CommRecord:
+        rec = CommRecord(op, tensor.numel() * tensor.element_size(), tensor.numel(), world, time.perf_counter())
+        if self.enabled and self.keep_records:
+            self.records.append(rec)
+        return rec
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def summary(self) -> Dict[str, Dict[str, float]]:
+        """Per op: count, message bytes, ring bytes per rank, paper bytes and total seconds."""
+        out: Dict[str, Dict[str, float]] = OrderedDict()
+        for r in self.records:
+            s = out.setdefault(r.op, dict(count=0, msg_bytes=0, ring_bytes=0.0, paper_bytes=0.0, seconds=0.0))
+            s["count"] += 1
+            s["msg_bytes"] += r.msg_bytes
+            s["ring_bytes"] += r.ring_bytes
+            s["paper_bytes"] += r.paper_bytes
+            if r.end is not None:
+                s["seconds"] += r.end - r.start
+        return out
+
+    def table(self) -> str:
+        """A printable table of :meth:`summary`."""
+        rows = [f"{'op':<16}{'count':>8}{'msg MB':>12}{'ring MB/rank':>14}{'seconds':>10}"]
+        for op, s in self.summary().items():
+            rows.append(
+                f"{op:<16}{int(s['count']):>8}{s['msg_bytes'] / 2**20:>12.2f}"
+                f"{s['ring_bytes'] / 2**20:>14.2f}{s['seconds']:>10.4f}"
+            )
+        return "\n".join(rows)
+
+
+class CommHandle:
+    """An issued collective: ``wait()`` blocks until it is done (a host sync point)."""
+
+    __slots__ = ("tensor", "_work", "_record", "_describe")
+
+    def __init__(self, tensor: torch.Tensor, work, record: CommRecord, describe: str):
+        self.tensor = tensor
+        self._work = work
+        self._record = record
+        self._describe = describe
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:  # gloo/nccl raise RuntimeError subclasses on timeout or peer loss
+                raise _explain(self._describe, exc) from exc
+            self._work = None
+            self._record.end = time.perf_counter()
+        return self.tensor
+
+
+def _explain(describe: str, exc: BaseException) -> DistributedError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return DistributedError(
+        f"collective {describe} failed: {first}. Another rank probably died, or ranks ran different "
+        f"numbers of steps or took different code paths; look at the other ranks' logs for the first error."
+    )
+
+
+class Collectives:
+    """The collectives of one topology's data-parallel group, each logged."""
+
+    def __init__(self, topology: Topology, logger_: Optional[CommsLogger] = None):
+        self.topology = topology
+        self.group = topology.dp_group
+        self.world = topology.dp_size
+        self.log = logger_ if logger_ is not None else CommsLogger(enabled=False)
+
+    def _run(self, op: str, fn, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> CommHandle:
+        rec = self.log.start(op, tensor, self.world)
+        describe = f"{op}({tensor.numel()} x {tensor.dtype})"
+        if self.world == 1:
+            rec.end = rec.start
+            return CommHandle(out, None, rec, describe)
+        try:
+            work = fn(async_op)
+        except RuntimeError as exc:
+            raise _explain(describe, exc) from exc
+        handle = CommHandle(out, work, rec, describe)
+        if not async_op:
+            handle._work = None
+            rec.end = time.perf_counter()
+        return handle
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> CommHandle:
+        return self._run(
+            "all_reduce", lambda a: dist.all_reduce(tensor, op=op, group=self.group, async_op=a), tensor, tensor, async_op
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
+        """Sum ``input`` over ranks; this rank receives chunk ``dp_rank`` into ``output``."""
+        if self.world == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return self._run("reduce_scatter", None, input, output, async_op)
+        return self._run(
+            "reduce_scatter",
+            lambda a: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=a),
+            input,
+            output,
+            async_op,
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
+        """Concatenate every rank's ``input`` into ``output`` (in rank order)."""
+        if self.world == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return self._run("all_gather", None, output, output, async_op)
+        return self._run(
+            "all_gather",
+            lambda a: dist.all_gather_into_tensor(output, input, group=self.group, async_op=a),
+            output,
+            output,
+            async_op,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
+        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+        return self._run(
+            "broadcast", lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), tensor, tensor, async_op
+        )
+
+    def all_reduce_scalar_max(self, value: torch.Tensor) -> torch.Tensor:
+        """Agree on a flag across ranks (e.g. overflow). One tiny collective; a host sync point."""
+        self.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value

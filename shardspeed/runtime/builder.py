@@ -1,0 +1,198 @@
+"""The one place that reads the config and decides which runtime parts to assemble."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..config import ShardspeedConfig, load_config
+from ..dist.comms import Collectives, CommsLogger
+from ..dist.init import init_distributed
+from ..dist.topology import Topology
+from ..errors import ConfigError
+from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..precision import build_loss_scaler
+from ..zero.layout import group_by_size
+from ..zero.master import MasterWeights
+from ..zero.reducer import GradientReducer, ReducePolicy
+from ..zero.unit import FlatParamUnit
+from .dataloader import build_dataloader
+from .engine import Engine, EngineParts
+
+logger = logging.getLogger("shardspeed")
+
+
+def _param_groups(module: nn.Module, model_parameters, optimizer) -> List[dict]:
+    """Normalise the user's parameters into a list of groups (dicts with 'params' and hyper-parameters)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [dict(g) for g in optimizer.param_groups]
+    if model_parameters is None:
+        return [{"params": list(module.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": items}]
+
+
+def _trainable_in_grad_order(module: nn.Module, groups: List[dict]) -> Tuple[List[nn.Parameter], Dict[int, int]]:
+    """Trainable parameters, deduplicated (tied weights once), in the order autograd tends to produce their
+    gradients (reverse of registration), and the group index of each."""
+    group_of: Dict[int, int] = {}
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            group_of.setdefault(id(p), gi)
+    seen, ordered = set(), []
+    for p in module.parameters():
+        if id(p) in seen or not p.requires_grad or id(p) not in group_of:
+            continue
+        seen.add(id(p))
+        ordered.append(p)
+    ordered.reverse()
+    return ordered, group_of
+
+
+def _build_units(params: List[nn.Parameter], bucket_elems: int, world: int, rank: int) -> List[FlatParamUnit]:
+    units: List[FlatParamUnit] = []
+    # keep dtypes apart: one flat buffer has one dtype
+    by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for plist in by_dtype.values():
+        for idx in group_by_size([p.numel() for p in plist], bucket_elems):
+            units.append(FlatParamUnit([plist[i] for i in idx], world=world, rank=rank, index=len(units)))
+    return units
+
+
+def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimizer) -> Callable[[List[dict]], Any]:
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+    def make(piece_groups: List[dict]):
+        full = [dict(hyper[g.pop("_group")], **g) for g in (dict(x) for x in piece_groups)]
+        if cfg.optimizer is not None:
+            return build_optimizer(cfg.optimizer, full)
+        if client_optimizer is not None:
+            if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
+                return client_optimizer(full)
+            return rebuild_optimizer(client_optimizer, full)
+        raise ConfigError(
+            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
+            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
+        )
+
+    return make
+
+
+def _scheduler(cfg: ShardspeedConfig, optimizer, client_scheduler):
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler, optimizer)
+    if client_scheduler is None:
+        return None
+    if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+        return client_scheduler(optimizer)
+    client_scheduler.optimizer = optimizer  # a scheduler built on the user's optimizer: point it at ours
+    return client_scheduler
+
+
+def build_engine(
+    model: nn.Module,
+    config,
+    optimizer=None,
+    model_parameters: Optional[Iterable] = None,
+    training_data=None,
+    lr_scheduler=None,
+    collate_fn=None,
+    dist_init_required: Optional[bool] = None,
+) -> Engine:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dist_init_required is not False:
+        init_distributed()
+    topo = Topology.data_parallel()
+    cfg = load_config(config, world_size=topo.dp_size)
+    zero = cfg.zero_optimization
+    stage = zero.stage
+    train_dtype = cfg.train_dtype
+
+    comms_logger = CommsLogger(enabled=True, keep_records=True)
+    collectives = Collectives(topo, comms_logger)
+
+    groups = _param_groups(model, model_parameters, optimizer)
+    model.to(device=topo.device)
+    if train_dtype != torch.float32:
+        model.to(dtype=train_dtype)
+    _broadcast_module_state(model, collectives)
+    comms_logger.reset()
+
+    if stage == 3:
+        from ..zero.stage3 import build_stage3  # imported here: only stage 3 needs it
+
+        return build_stage3(model=model, cfg=cfg, topo=topo, collectives=collectives, comms_logger=comms_logger,
+                            groups=groups, optimizer_factory=_optimizer_factory(cfg, groups, optimizer),
+                            make_scheduler=lambda opt: _scheduler(cfg, opt, lr_scheduler),
+                            dataloader=_dataloader(cfg, training_data, collate_fn, topo))
+
+    params, group_of = _trainable_in_grad_order(model, groups)
+    if not params:
+        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+    world = 1 if stage == 0 else topo.dp_size
+    units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
+    accum_dtype = _accum_dtype(cfg)
+    policy = ReducePolicy.for_stage(
+        stage, overlap=bool(zero.overlap_comm), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
+        predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
+    )
+    reducer = GradientReducer(units, collectives, policy)
+    master = MasterWeights(
+        units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
+        sharded=stage >= 1, gather_after_step=stage >= 1, check_overflow=cfg.fp16.enabled,
+    )
+    parts = EngineParts(
+        module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
+        master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
+        train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
+        zero_stage=stage, train_dtype=train_dtype, steps_per_print=cfg.steps_per_print,
+        wall_clock_breakdown=cfg.wall_clock_breakdown, training_dataloader=_dataloader(cfg, training_data, collate_fn, topo),
+        config=cfg,
+    )
+    return Engine(parts)
+
+
+def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:
+    name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
+    if name is None:
+        return cfg.train_dtype
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def _loss_scaler(cfg: ShardspeedConfig):
+    f = cfg.fp16
+    return build_loss_scaler(
+        fp16_enabled=f.enabled, loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
+        loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+        consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale,
+    )
+
+
+def _dataloader(cfg, training_data, collate_fn, topo: Topology):
+    if training_data is None:
+        return None
+    return build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, topo, collate_fn=collate_fn,
+                            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)))
+
+
+@torch.no_grad()
+def _broadcast_module_state(model: nn.Module, collectives: Collectives) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DeepSpeed does)."""
+    if collectives.world == 1:
+        return
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        collectives.broadcast(t.data, 0)

@@ -1,0 +1,274 @@
+"""The training engine: DeepSpeed's method names, thin orchestration over parts built once.
+
+The engine never reads the config: :mod:`shardspeed.runtime.builder` decides which parts to assemble and
+hands them over in :class:`EngineParts`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..dist.comms import Collectives, CommsLogger
+from ..dist.topology import Topology
+from ..errors import ShardspeedError
+from ..monitor.timers import Timers
+from ..zero.master import MasterWeights
+from ..zero.reducer import GradientReducer
+
+logger = logging.getLogger("shardspeed")
+
+
+@dataclass
+class EngineParts:
+    """Everything the engine orchestrates; built by the builder from the config."""
+
+    module: nn.Module
+    topology: Topology
+    collectives: Collectives
+    comms_logger: CommsLogger
+    reducer: GradientReducer
+    master: MasterWeights
+    loss_scaler: Any
+    lr_scheduler: Any
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    zero_stage: int
+    train_dtype: torch.dtype
+    steps_per_print: Optional[int] = None
+    wall_clock_breakdown: bool = False
+    param_manager: Any = None  # stage 3: gathers/releases parameters around module use
+    training_dataloader: Any = None
+    config: Any = None  # kept for checkpoints and introspection only; never branched on here
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+
+def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
+    """Tensors go to the engine's device; floating-point ones take the training dtype (as model weights do)."""
+    if torch.is_tensor(obj):
+        if obj.is_floating_point() and obj.dtype != dtype:
+            return obj.to(device=device, dtype=dtype)
+        return obj.to(device) if obj.device != device else obj
+    if isinstance(obj, tuple):
+        return tuple(_move_inputs(o, device, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_move_inputs(o, device, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_inputs(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+class Engine:
+    """Wraps a module for training; create it with :func:`shardspeed.initialize`."""
+
+    def __init__(self, parts: EngineParts):
+        self._p = parts
+        self.module = parts.module
+        self.optimizer = parts.master.optimizer
+        self.lr_scheduler = parts.lr_scheduler
+        self.training_dataloader = parts.training_dataloader
+        self.config = parts.config
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: Optional[float] = None
+        self._boundary_override: Optional[bool] = None
+        self._in_no_sync = False
+        self._timers = Timers(parts.wall_clock_breakdown, parts.topology.device)
+        self._last_loss: Optional[float] = None
+        self._t_last_print = time.perf_counter()
+        self._samples_since_print = 0
+
+    # ---- DeepSpeed-compatible properties ----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._p.topology.device
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._p.loss_scaler.scale)
+
+    @property
+    def cur_scale(self) -> float:  # DeepSpeed's optimizer attribute name, kept for users' scripts
+        return self.loss_scale
+
+    def train_batch_size(self) -> int:
+        return self._p.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._p.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._p.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self._p.zero_stage
+
+    def get_lr(self) -> List[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._grad_norm
+
+    @property
+    def dp_world_size(self) -> int:
+        return self._p.topology.dp_size
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    # ---- module passthrough ------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    # ---- accumulation boundary -------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self._p.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary decision (for loops whose accumulation is irregular)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without reducing them (stages 0 and 1 only)."""
+        if self._p.zero_stage >= 2:
+            raise ShardspeedError(
+                f"no_sync() is not possible at ZeRO stage {self._p.zero_stage}: gradients are partitioned as "
+                f"they are produced. Use gradient_accumulation_steps instead, or stage 0/1."
+            )
+        prev, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = prev
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        with self._timers("forward"):
+            if self._p.param_manager is not None:
+                self._p.param_manager.begin_forward()
+            args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
+            return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Scale the loss (fp16) and divide it by the accumulation steps, then run autograd.
+
+        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
+        """
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ShardspeedError("backward(loss) expects a scalar loss tensor (call .mean() or .sum() first)")
+        self._last_loss = float(loss.detach())
+        gas = self._p.gradient_accumulation_steps
+        scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
+        reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        with self._timers("backward"):
+            if self._p.param_manager is not None:
+                self._p.param_manager.begin_backward()
+            self._p.reducer.begin_backward(reduce_now)
+            scaled.backward(retain_graph=retain_graph)
+        with self._timers("reduce"):
+            self._p.reducer.finish_backward()
+            if self._p.param_manager is not None:
+                self._p.param_manager.end_backward()
+        return loss.detach() / gas
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        if self._in_no_sync:
+            raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
+        if self.is_gradient_accumulation_boundary():
+            with self._timers("step"):
+                self._optimizer_step()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _optimizer_step(self) -> None:
+        p = self._p
+        result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
+        p.loss_scaler.update(result.overflow)
+        self._grad_norm = None if result.overflow else result.grad_norm
+        if result.overflow:
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps, p.loss_scaler.scale)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        p.reducer.zero_grads()
+        self.global_steps += 1
+        self.global_samples += p.train_batch_size
+        self._samples_since_print += p.train_batch_size
+        self._maybe_print()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine also does this after every optimizer step)."""
+        self._p.reducer.zero_grads()
+        for prm in self.module.parameters():
+            prm.grad = None
+
+    # ---- reporting -------------------------------------------------------------------------------------
+    def _maybe_print(self) -> None:
+        every = self._p.steps_per_print
+        if not every or self.global_steps % every != 0 or self.global_rank != 0:
+            if self._p.wall_clock_breakdown and every and self.global_steps % every == 0:
+                self._timers.report_and_reset()
+            return
+        now = time.perf_counter()
+        rate = self._samples_since_print / max(now - self._t_last_print, 1e-9)
+        self._t_last_print, self._samples_since_print = now, 0
+        logger.info(
+            "step=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f",
+            self.global_steps, self._last_loss or float("nan"), [f"{x:.3g}" for x in self.get_lr()],
+            self.loss_scale, f"{self._grad_norm:.4f}" if self._grad_norm is not None else "n/a", rate,
+        )
+        if self._p.wall_clock_breakdown:
+            logger.info("time per call: %s", self._timers.report_and_reset())
+
+    def comms_summary(self) -> Dict[str, Dict[str, float]]:
+        """Collectives issued so far on this rank: per op, count, bytes and seconds."""
+        return self._p.comms_logger.summary()
+
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes of model states this rank holds, counted from the tensors themselves."""
+        params = 0
+        seen = set()
+        for unit in self._p.master.units:
+            held = unit.full if unit.full is not None and unit.full.numel() else unit.shard
+            if held.data_ptr() not in seen:
+                seen.add(held.data_ptr())
+                params += held.numel() * held.element_size()
+        master = self._p.master.held_bytes()
+        out = {
+            "parameters": params,
+            "gradients": self._p.reducer.held_bytes(),
+            "master_weights": master["master"],
+            "optimizer_states": master["optimizer"],
+        }
+        out["total"] = sum(out.values())
+        if self.device.type == "cuda":
+            out["allocator_peak"] = torch.cuda.max_memory_allocated(self.device)
+            out["allocator_current"] = torch.cuda.memory_allocated(self.device)
+        return out

@@ -1,0 +1,134 @@
+"""fp32 master weights of this rank's chunks and the optimizer step over them.
+
+The optimizer never sees model parameters: it sees one tensor per :class:`~.layout.Piece` (the part of a
+parameter inside this rank's chunk), a view into the unit's fp32 master chunk. Elementwise optimizers
+(Adam, SGD, Lion, ...) therefore behave exactly as on whole parameters; optimizer state is per piece, so
+checkpoints can say which parameter elements each state covers.
+
+One step (:meth:`MasterWeights.step`): gradients to fp32 → global norm (one all-reduce of squared
+norms, which also carries the fp16 overflow flag) → on overflow skip → unscale and clip in one multiply
+→ optimizer step → write the updated chunk back into the low-precision unit → all-gather the units
+(stages 1-2; stage 3 keeps shards).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..dist.comms import Collectives
+from .reducer import GradientReducer
+from .unit import FlatParamUnit
+
+
+@dataclass
+class StepResult:
+    overflow: bool
+    grad_norm: float  # global norm of the unscaled gradients, before clipping (nan/inf on overflow)
+
+
+class MasterWeights:
+    """Master chunks, the optimizer over their pieces, and the step that keeps units in sync."""
+
+    def __init__(
+        self,
+        units: Sequence[FlatParamUnit],
+        reducer: GradientReducer,
+        collectives: Collectives,
+        group_of_param: Dict[int, int],
+        make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
+        *,
+        sharded: bool,
+        gather_after_step: bool,
+        check_overflow: bool,
+        master_device: Optional[torch.device] = None,
+    ):
+        self.units = list(units)
+        self.reducer = reducer
+        self.comm = collectives
+        self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
+        self.gather_after_step = gather_after_step
+        self.check_overflow = check_overflow
+        self.masters: List[torch.Tensor] = []
+        self.piece_tensors: List[List[torch.Tensor]] = []
+        groups: Dict[int, List[torch.Tensor]] = {}
+        for unit in self.units:
+            device = master_device or unit.device
+            aliases = unit.dtype == torch.float32 and device == unit.device
+            master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
+            self.masters.append(master)
+            views = []
+            for piece in unit.pieces:
+                view = master[piece.chunk_start : piece.chunk_start + piece.numel]
+                views.append(view)
+                groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
+            self.piece_tensors.append(views)
+        self.group_indices = sorted(groups)
+        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
+
+    # ------------------------------------------------------------------------------------------
+    def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
+        out = []
+        for ui, master in enumerate(self.masters):
+            g = self.reducer.grad_shard(ui)
+            if g is not None and (g.dtype != torch.float32 or g.device != master.device):
+                g = g.to(device=master.device, dtype=torch.float32)  # transient fp32 copy for the step
+            out.append(g)
+        return out
+
+    def global_grad_norm(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        """L2 norm over all ranks' chunks (padding is zero). One all-reduce when sharded; a sync point."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
+        for g in grads:
+            if g is not None:
+                sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
+        if self.sharded:
+            self.comm.all_reduce(sq)
+        return sq.sqrt()
+
+    def step(self, loss_scale: float, clip: float) -> StepResult:
+        grads = self._fp32_grads()
+        norm = float(self.global_grad_norm(grads)) / loss_scale
+        if self.check_overflow and not math.isfinite(norm):
+            return StepResult(True, norm)
+        coef = 1.0 / loss_scale
+        if clip > 0:
+            coef *= min(1.0, clip / (norm + 1e-6))
+        for ui, (g, views) in enumerate(zip(grads, self.piece_tensors)):
+            unit = self.units[ui]
+            if g is None:
+                g = torch.zeros_like(self.masters[ui])
+            if coef != 1.0:
+                g.mul_(coef)
+            for piece, view in zip(unit.pieces, views):
+                view.grad = g[piece.chunk_start : piece.chunk_start + piece.numel]
+        self.optimizer.step()
+        for views in self.piece_tensors:
+            for view in views:
+                view.grad = None
+        self._write_back()
+        return StepResult(False, norm)
+
+    def _write_back(self) -> None:
+        """Copy updated masters into the low-precision chunks and re-assemble full units."""
+        for unit, master in zip(self.units, self.masters):
+            if master.data_ptr() != unit.shard.data_ptr():
+                unit.shard.copy_(master)
+        if self.gather_after_step:
+            handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
+            for h in handles:
+                h.wait()
+
+    def held_bytes(self) -> Dict[str, int]:
+        """Bytes of master weights and optimizer state this rank holds (not counting aliases of params)."""
+        master = sum(
+            m.numel() * m.element_size() for m, u in zip(self.masters, self.units) if m.data_ptr() != u.shard.data_ptr()
+        )
+        state = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state += v.numel() * v.element_size()
+        return {"master": master, "optimizer": state}

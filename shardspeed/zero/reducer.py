@@ -1,0 +1,205 @@
+"""Gradient reduction for flat units: bucketed, launched from gradient hooks while backward runs.
+
+One :class:`GradientReducer` serves stages 0-2 (and the gradient half of stage 3):
+
+- a post-accumulate-grad hook on each trainable parameter adds ``param.grad`` into its unit's bucket
+  (a zero-initialised, full-size flat buffer) and drops ``param.grad``;
+- when every trainable parameter of a unit has reported and this micro-step reduces, the unit's bucket
+  is reduced asynchronously (``overlap_comm``) or at once: all-reduce at stage 0, reduce-scatter
+  (in place, into this rank's chunk) at stages 1-3;
+- units are launched strictly in their fixed order, so every rank issues the same collectives in the same
+  order even when hooks fire in another order (unused parameters, data-dependent control flow);
+- :meth:`finish_backward` (called once after ``loss.backward()``) launches what is left, waits, averages
+  over ranks and moves the result to where the optimizer reads it.
+
+Where gradients live between micro-steps, per stage (``ReducePolicy``):
+stage 0 keeps the full bucket (all-reduced at the boundary), stage 1 keeps the full bucket (reduce-scattered
+at the boundary), stages 2-3 reduce-scatter every micro-step into a chunk-sized accumulator and free the
+bucket.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..dist.comms import Collectives, CommHandle
+from .unit import FlatParamUnit
+
+logger = logging.getLogger(__name__)
+
+
+class ReduceOp(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How and when gradients are reduced (decided once by the builder from the ZeRO stage)."""
+
+    op: ReduceOp
+    every_micro_step: bool  # stage 2-3: reduce each micro-step and keep only the shard
+    overlap: bool  # launch asynchronously from the hooks (overlap_comm)
+    accum_dtype: torch.dtype  # dtype of buckets and of the accumulated shard
+    comm_dtype: torch.dtype  # dtype on the wire
+    predivide_factor: float = 1.0  # divide by this before the reduce, by world/this after
+
+    @classmethod
+    def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
+                  predivide_factor: float = 1.0) -> "ReducePolicy":
+        op = ReduceOp.ALL_REDUCE if stage == 0 else ReduceOp.REDUCE_SCATTER
+        return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
+
+
+class _UnitGrads:
+    """Gradient buffers and progress of one unit within the current backward."""
+
+    __slots__ = ("unit", "bucket", "accum", "ready", "launched", "handle", "wire")
+
+    def __init__(self, unit: FlatParamUnit):
+        self.unit = unit
+        self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype
+        self.accum: Optional[torch.Tensor] = None  # chunk-size accumulator (every_micro_step policy)
+        self.ready = 0
+        self.launched = False
+        self.handle: Optional[CommHandle] = None
+        self.wire: Optional[torch.Tensor] = None  # the tensor sent, when the wire dtype differs
+
+
+class GradientReducer:
+    def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy):
+        self.units = list(units)
+        self.comm = collectives
+        self.policy = policy
+        self.world = collectives.world
+        self._grads = [_UnitGrads(u) for u in self.units]
+        self._where: Dict[int, Tuple[int, int]] = {}
+        self._hooks = []
+        self._reduce_now = True
+        self._next_launch = 0
+        self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
+        self._pending_hooks = 0
+        for ui, unit in enumerate(self.units):
+            for pi in unit.grad_params:
+                p = unit.params[pi]
+                self._where[id(p)] = (ui, pi)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- the backward pass -------------------------------------------------------------------
+    def begin_backward(self, reduce_now: bool) -> None:
+        """Called before ``loss.backward()``: whether this micro-step ends with a reduction."""
+        self._reduce_now = reduce_now or self.policy.every_micro_step
+        self._next_launch = 0
+        self._pending_hooks = sum(len(u.grad_params) for u in self.units)
+        self.launch_log.clear()
+        for g in self._grads:
+            g.ready = 0
+            g.launched = False
+
+    def _bucket(self, g: _UnitGrads) -> torch.Tensor:
+        if g.bucket is None:
+            g.bucket = torch.zeros(g.unit.layout.padded_numel, dtype=self.policy.accum_dtype, device=g.unit.device)
+        return g.bucket
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        ui, pi = self._where[id(param)]
+        g = self._grads[ui]
+        grad = param.grad
+        if grad is None:
+            return
+        view = g.unit.param_view(self._bucket(g), pi)
+        view.add_(grad.reshape(-1))
+        param.grad = None
+        g.ready += 1
+        self._pending_hooks -= 1
+        if self._reduce_now and g.ready == len(g.unit.grad_params):
+            self._launch_ready_prefix()
+
+    def _launch_ready_prefix(self) -> None:
+        """Launch units in fixed order while the next one is complete (same order on every rank)."""
+        while self._next_launch < len(self._grads):
+            g = self._grads[self._next_launch]
+            if g.ready < len(g.unit.grad_params):
+                return
+            self._launch(g)
+            self._next_launch += 1
+
+    def _launch(self, g: _UnitGrads) -> None:
+        if g.launched:
+            return
+        g.launched = True
+        self.launch_log.append((g.unit.index, self._pending_hooks))
+        bucket = self._bucket(g)
+        pol = self.policy
+        wire = bucket if pol.comm_dtype == bucket.dtype else bucket.to(pol.comm_dtype)
+        if pol.predivide_factor != 1.0:
+            wire.div_(pol.predivide_factor)
+        g.wire = wire
+        if pol.op is ReduceOp.ALL_REDUCE:
+            g.handle = self.comm.all_reduce(wire, async_op=pol.overlap)
+        else:
+            lo, hi = g.unit.layout.chunk_range(g.unit.rank)
+            g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
+
+    def finish_backward(self) -> None:
+        """Launch what is left (in order), wait for all reductions, and average them over ranks.
+
+        A host sync point when reducing. Must run on every rank after every backward.
+        """
+        if not self._reduce_now:
+            return
+        for g in self._grads[self._next_launch :]:
+            self._launch(g)
+        self._next_launch = len(self._grads)
+        post = float(self.world) / self.policy.predivide_factor
+        for g in self._grads:
+            g.handle.wait()
+            g.handle = None
+            lo, hi = g.unit.layout.chunk_range(g.unit.rank)
+            reduced = g.wire if self.policy.op is ReduceOp.ALL_REDUCE else g.wire[lo:hi]
+            if self.policy.every_micro_step:
+                if g.accum is None:
+                    g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
+                g.accum.add_(reduced, alpha=1.0 / post)
+                g.bucket = None  # stage 2-3: full-size gradients are not kept
+            else:
+                if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
+                    g.bucket[lo:hi].copy_(reduced)
+                g.bucket[lo:hi].div_(post)
+            g.wire = None
+
+    # ---- what the optimizer reads ---------------------------------------------------------------
+    def grad_shard(self, unit_index: int) -> Optional[torch.Tensor]:
+        """This rank's reduced, averaged gradient chunk of a unit (accum dtype), or None if none yet."""
+        g = self._grads[unit_index]
+        if self.policy.every_micro_step:
+            return g.accum
+        if g.bucket is None:
+            return None
+        lo, hi = g.unit.layout.chunk_range(g.unit.rank)
+        return g.bucket[lo:hi]
+
+    def zero_grads(self) -> None:
+        for g in self._grads:
+            if g.bucket is not None:
+                g.bucket.zero_()
+            if g.accum is not None:
+                g.accum.zero_()
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage held now (buckets and accumulators)."""
+        total = 0
+        for g in self._grads:
+            for t in (g.bucket, g.accum):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,73 @@
+"""A FlatParamUnit: parameters that live as views into one flat, padded, sharded buffer.
+
+Stages 0-2 keep the full buffer (``full``) alive and each rank updates its chunk (``shard`` is a view of
+it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in use.
+"""
+from __future__ import annotations
+
+import enum
+from typing import List, Sequence
+
+import torch
+import torch.nn as nn
+
+from .layout import FlatLayout, Piece
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's chunk is held (stage 3, outside use)
+    GATHERED = "gathered"  # the full buffer is held and the parameters view it
+
+
+class FlatParamUnit:
+    """Parameters of one unit, flattened into ``full`` (``layout.padded_numel`` elements).
+
+    Creating a unit moves the parameters' data into the flat buffer: afterwards ``param.data`` is a view
+    of ``full``; nothing else about the parameters changes (same objects, same ``requires_grad``).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
+        if not params:
+            raise ValueError("a unit needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"unit {index}: parameters mix dtypes {dtypes} or devices {devices}")
+        self.index = index
+        self.params: List[nn.Parameter] = list(params)
+        self.shapes = [p.shape for p in self.params]
+        self.layout = FlatLayout.of([p.numel() for p in self.params], world, align)
+        self.rank = rank
+        self.dtype = dtypes.pop()
+        self.device = devices.pop()
+        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
+            self.full[off : off + n].copy_(p.detach().reshape(-1))
+        self._point_params_at_full()
+        lo, hi = self.layout.chunk_range(rank)
+        self.shard = self.full[lo:hi]
+        self.state = UnitState.GATHERED
+        self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def pieces(self) -> List[Piece]:
+        return self.layout.pieces(self.rank)
+
+    def param_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """The flattened slice of a full-size ``buffer`` that belongs to parameter ``index``."""
+        off = self.layout.offsets[index]
+        return buffer[off : off + self.layout.numels[index]]
+
+    def _point_params_at_full(self) -> None:
+        for p, off, n, shape in zip(self.params, self.layout.offsets, self.layout.numels, self.shapes):
+            p.data = self.full[off : off + n].view(shape)
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatParamUnit(index={self.index}, params={len(self.params)}, numel={self.numel}, "
+            f"padded={self.layout.padded_numel}, state={self.state.value})"
+        )

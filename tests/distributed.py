@@ -1,0 +1,98 @@
+"""Run a function on N gloo ranks on loopback, each in its own process.
+
+``run_distributed(fn, world_size, *args)`` returns each rank's return value (rank order). Any rank's
+exception fails the call with that rank's traceback; a group that does not finish within ``timeout``
+seconds is killed and reported. Processes come from a forkserver that has torch imported already, so a
+group starts in well under a second after the first.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, List
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "shardspeed"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeout):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from shardspeed.dist import init_distributed
+
+        init_distributed(backend="gloo", timeout=collective_timeout)
+        out = fn(*args, **kwargs)
+        buf = io.BytesIO()
+        torch.save(out, buf)  # plain bytes: tensors must not travel as shared-memory handles
+        results.put((rank, "ok", buf.getvalue()))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including SystemExit from a test helper
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0,
+                    collective_timeout: float = 60.0, **kwargs) -> List[Any]:
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, kwargs, collective_timeout),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    errors = []
+    import time
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{world_size}-rank group did not finish within {timeout}s "
+                                   f"(finished ranks: {sorted(out)})")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead and not errors:
+                    raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[i].exitcode for i in dead]} "
+                                       f"without reporting")
+                continue
+            if status == "ok":
+                import torch
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append((rank, payload))
+                break  # one failure is enough: the others would fail or hang on it
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]
