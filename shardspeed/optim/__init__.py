@@ -8,6 +8,15 @@ from shardspeed.optim.builder import (
 )
 from shardspeed.optim.lamb import Lamb
 from shardspeed.optim.lion import Lion
+from shardspeed.optim.schedules import (
+    DEEPSPEED_SCHEDULER_NAMES,
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
 
 __all__ = [
     "build_optimizer",
@@ -16,4 +25,11 @@ __all__ = [
     "DEEPSPEED_OPTIMIZER_NAMES",
     "Lamb",
     "Lion",
+    "build_scheduler",
+    "DEEPSPEED_SCHEDULER_NAMES",
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+    "OneCycle",
+    "LRRangeTest",
 ]
