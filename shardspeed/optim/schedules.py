@@ -418,6 +418,10 @@ def _valid_names() -> str:
     return ", ".join(DEEPSPEED_SCHEDULER_NAMES) + "; or a torch.optim.lr_scheduler class: " + ", ".join(torch_names)
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def build_scheduler(cfg: Any, optimizer):
     """The LR schedule for a ``{"type": ..., "params": {...}}`` block (any object with ``.type`` and
     ``.params``; None gives None): a DeepSpeed schedule by name, or a ``torch.optim.lr_scheduler`` class
@@ -459,4 +463,4 @@ def build_scheduler(cfg: Any, optimizer):
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"scheduler {type_name!r} rejected its params {params}: {e}") from e
+        raise ConfigError(f"scheduler {type_name!r} rejected its params {params}: {_one_line(e)}") from e
