@@ -6,7 +6,8 @@
     python examples/train_gpt.py                     # one process
 
 The text is the Python standard library's own sources (built at run time, nothing downloaded) or any
-file given with --text. The loss starts near ln(256) = 5.55 and falls well below 2.5 at the defaults.
+file given with --text. At the defaults (model small, 200 steps, ZeRO-2, 2 CPU processes: about 1.5
+minutes) the loss falls from about 5.3 (ln 256 = 5.55) to a validation loss of about 2.3.
 """
 
 from __future__ import annotations
