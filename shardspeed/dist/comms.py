@@ -20,6 +20,10 @@ from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
+# torch >= 2.12 renames the tensor-in/tensor-out collectives; older versions only have the old names
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 #: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
 _RING_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -160,7 +164,7 @@ class Collectives:
             return self._run("reduce_scatter", None, input, output, async_op)
         return self._run(
             "reduce_scatter",
-            lambda a: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=a),
+            lambda a: _reduce_scatter_tensor(output, input, group=self.group, async_op=a),
             input,
             output,
             async_op,
@@ -174,7 +178,7 @@ class Collectives:
             return self._run("all_gather", None, output, output, async_op)
         return self._run(
             "all_gather",
-            lambda a: dist.all_gather_into_tensor(output, input, group=self.group, async_op=a),
+            lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
             output,
             output,
             async_op,

@@ -209,6 +209,8 @@ class Engine:
     def _optimizer_step(self) -> None:
         p = self._p
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
+        if p.param_manager is not None:
+            p.param_manager.after_step()
         p.loss_scaler.update(result.overflow)
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
