@@ -118,7 +118,7 @@ def build_engine(
     stage = zero.stage
     train_dtype = cfg.train_dtype
 
-    comms_logger = CommsLogger(enabled=True, keep_records=True)
+    comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
     groups = _param_groups(model, model_parameters, optimizer)
@@ -133,7 +133,7 @@ def build_engine(
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     accum_dtype = _accum_dtype(cfg)
     policy = ReducePolicy.for_stage(
-        stage, overlap=bool(zero.overlap_comm), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
+        stage, overlap=bool(zero.overlap_comm), reduce_scatter=bool(zero.reduce_scatter), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
         predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
     )
     manager = None

@@ -248,6 +248,8 @@ class Engine:
         )
         if self._p.wall_clock_breakdown:
             logger.info("time per call: %s", self._timers.report_and_reset())
+        if self._p.comms_logger.keep_records:
+            logger.info("collectives so far:\n%s", self._p.comms_logger.table())
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""

@@ -50,8 +50,9 @@ class ReducePolicy:
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
-                  predivide_factor: float = 1.0) -> "ReducePolicy":
-        op = ReduceOp.ALL_REDUCE if stage == 0 else ReduceOp.REDUCE_SCATTER
+                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> "ReducePolicy":
+        """``reduce_scatter=False`` (DeepSpeed's key) all-reduces at stages 1-2 and keeps this rank's part."""
+        op = ReduceOp.REDUCE_SCATTER if stage >= 1 and (reduce_scatter or stage == 3) else ReduceOp.ALL_REDUCE
         return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
 
 
@@ -168,7 +169,7 @@ class GradientReducer:
         g.handle = None
         post = float(self.world) / self.policy.predivide_factor
         lo, hi = g.unit.layout.chunk_range(g.unit.rank)
-        reduced = g.wire if self.policy.op is ReduceOp.ALL_REDUCE else g.wire[lo:hi]
+        reduced = g.wire[lo:hi]  # all-reduce: every rank has the sum, this rank keeps its chunk
         if self.policy.every_micro_step:
             if g.accum is None:
                 g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)

@@ -6,6 +6,7 @@ it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import List, Sequence
 
 import torch
@@ -100,8 +101,21 @@ class ShardedParamUnit(FlatParamUnit):
         """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`."""
         if self.state is UnitState.GATHERED or self._pending is not None:
             return
+        self._check_untouched()
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         self._pending = (full, comm.all_gather(full, self.shard, async_op=True))
+
+    def _check_untouched(self) -> None:
+        """A sharded parameter whose ``.data`` was replaced was edited outside GatheredParameters."""
+        for p in self.params:
+            if p.data.numel() != 0:
+                warnings.warn(
+                    f"a ZeRO-3 parameter of shape {tuple(p.data.shape)} (unit {self.index}) was modified while it "
+                    f"was sharded; the change is discarded. Edit parameters inside "
+                    f"shardspeed.zero.GatheredParameters(params, modifier_rank=0).",
+                    stacklevel=4,
+                )
+                p.data = self._placeholder
 
     def finish_gather(self) -> None:
         if self.state is UnitState.GATHERED:
