@@ -121,6 +121,11 @@ def build_engine(
     comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
+    if stage != 3 and any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
+        raise ConfigError(
+            f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
+            f"zero_optimization.stage 3; the config says stage {stage}"
+        )
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if train_dtype != torch.float32:
