@@ -12,6 +12,7 @@ from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
 from ..dist.topology import Topology
 from ..errors import ConfigError
+from ..offload import OffloadedMasterWeights, plan_from_config
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..precision import build_loss_scaler
 from ..zero.layout import group_by_size
@@ -146,10 +147,14 @@ def build_engine(
         predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
     )
     reducer = GradientReducer(units, collectives, policy)
-    master = MasterWeights(
-        units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
-        sharded=stage >= 1, gather_after_step=stage >= 1, check_overflow=cfg.fp16.enabled,
-    )
+    master_kwargs = dict(sharded=stage >= 1, gather_after_step=stage >= 1, check_overflow=cfg.fp16.enabled)
+    offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
+    if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
+        master = OffloadedMasterWeights(units, reducer, collectives, group_of,
+                                        _optimizer_factory(cfg, groups, optimizer), plan=offload, **master_kwargs)
+    else:
+        master = MasterWeights(units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
+                               **master_kwargs)
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
