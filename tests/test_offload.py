@@ -110,6 +110,9 @@ def _run_all(nvme_path: str) -> list:
     ref = _train("mlp", _config(2, 2, "fp32", "none", nvme_path, optimizer="SGD"), 2)
     got = _train("mlp", _config(2, 2, "fp32", "cpu", nvme_path, optimizer="SGD"), 2)
     out.append((("mlp", 2, 2, "fp32", "cpu-sgd"), ref, got))
+    from shardspeed.errors import ConfigError
+    with pytest.raises(ConfigError, match="supports Adam and AdamW"):
+        _train("mlp", _config(2, 1, "fp32", "nvme", nvme_path, optimizer="SGD"), 1)
     # one pool buffer (no read-ahead) and no clipping still match
     ref = _train("mlp", _config(1, 1, "fp32", "none", nvme_path, clip=0.0), 1)
     got = _train("mlp", _config(1, 1, "fp32", "nvme", nvme_path, buffer_count=1, clip=0.0), 1)
