@@ -79,10 +79,15 @@ class OffloadedMasterWeights(MasterWeights):
         self.plan = plan
         self.step_count = 0
 
-        group_ids = sorted({group_of_param[id(p)] for u in self.units for p in u.params})
+        # pieces of parameters that require grad (a stage-3 unit may hold frozen ones: never stepped)
+        self.trainable_pieces = [[pc for pc in u.pieces if u.params[pc.param_index].requires_grad]
+                                 for u in self.units]
+        # the param groups with elements in this rank's chunks, as the base class builds them
+        group_ids = sorted({group_of_param[id(u.params[pc.param_index])]
+                            for u, tp in zip(self.units, self.trainable_pieces) for pc in tp})
         pos = {g: i for i, g in enumerate(group_ids)}
         unit_pieces = [[(pc.chunk_start, pc.numel, pos[group_of_param[id(u.params[pc.param_index])]])
-                        for pc in u.pieces] for u in self.units]
+                        for pc in tp] for u, tp in zip(self.units, self.trainable_pieces)]
         chunk = [u.shard.numel() for u in self.units]
         self.host_units, self.device_units = split_by_ratio(chunk, plan.ratio)
         on_host = set(self.host_units)
@@ -92,7 +97,9 @@ class OffloadedMasterWeights(MasterWeights):
         # masters: host (cpu), none (nvme: in files), device (units kept there by ratio)
         self.masters: List[Optional[torch.Tensor]] = []
         for ui, unit in enumerate(self.units):
-            if ui in on_host:
+            if not self.trainable_pieces[ui]:
+                m = None  # nothing to optimise in this unit
+            elif ui in on_host:
                 m = None if nvme else torch.empty(unit.shard.numel(), dtype=torch.float32, pin_memory=pin)
                 if m is not None:
                     m.copy_(unit.shard)
@@ -105,9 +112,9 @@ class OffloadedMasterWeights(MasterWeights):
         # the engine's optimizer: param groups over the master pieces (placeholders where none in memory)
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
-        for unit, master in zip(self.units, self.masters):
+        for unit, master, pieces in zip(self.units, self.masters, self.trainable_pieces):
             views = []
-            for pc in unit.pieces:
+            for pc in pieces:
                 v = (master[pc.chunk_start : pc.chunk_start + pc.numel] if master is not None
                      else torch.empty(pc.numel, dtype=torch.float32, device="meta"))
                 views.append(v)
@@ -137,8 +144,10 @@ class OffloadedMasterWeights(MasterWeights):
             for t in self.host_tiles:
                 self.host_store.initialize(t, self.units[t.unit].shard[t.lo : t.hi])
         else:
-            self.host_store = MemoryStateStore({u: self.masters[u] for u in self.host_units})
-        self.device_store = MemoryStateStore({u: self.masters[u] for u in self.device_units})
+            self.host_store = MemoryStateStore({u: self.masters[u] for u in self.host_units
+                                                if self.masters[u] is not None})
+        self.device_store = MemoryStateStore({u: self.masters[u] for u in self.device_units
+                                              if self.masters[u] is not None})
         dev = self.units[0].device if self.units else torch.device("cpu")
         max_tile = max((t.numel for t in self.host_tiles), default=0)
         self.copier = HostCopier(dev, self.units[0].dtype if self.units else torch.float32, max_tile,
@@ -222,6 +231,17 @@ class OffloadedMasterWeights(MasterWeights):
             raise
         finally:
             cp.end()
+
+    def refresh_from_shard(self, unit_index: int) -> None:
+        """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master
+        (into the files with NVMe; a sync point with the disk)."""
+        if isinstance(self.host_store, NvmeStateStore) and unit_index in set(self.host_units):
+            shard = self.units[unit_index].shard
+            for t in self.host_tiles:
+                if t.unit == unit_index:
+                    self.host_store.write_master(t, shard[t.lo : t.hi])
+            return
+        super().refresh_from_shard(unit_index)
 
     # ---- introspection ---------------------------------------------------------------------------------
     def held_bytes(self) -> Dict[str, int]:

@@ -183,6 +183,16 @@ class NvmeStateStore:
         finally:
             self._free.put(buf)
 
+    def write_master(self, tile: Tile, master: torch.Tensor) -> None:
+        """Overwrite a tile's master weights in the file (moments kept); synchronous."""
+        self.flush()
+        buf = self._free.get()
+        try:
+            buf[0, : tile.numel].copy_(master)
+            self._write(tile, buf, names=("master",))
+        finally:
+            self._free.put(buf)
+
     def read_tile(self, tile: Tile) -> TileState:
         """A copy of one tile's state (for checks and checkpoints; not on the training path)."""
         self.flush()
