@@ -361,6 +361,52 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
     return results
 
 
+ANCHORS = ("ddp", "fsdp2")
+
+
+def plan_waves(systems: List[str], max_alive: int) -> List[List[str]]:
+    """Split systems into waves of at most ``max_alive`` (memory: every live system holds its model).
+
+    The anchors (DDP, FSDP2) run in every wave, and a shardspeed system always shares its wave with the
+    DeepSpeed system of the same stage, so every ratio the report prints comes from one interleaved run.
+    """
+    anchors = [s for s in systems if s in ANCHORS]
+    by_stage: Dict[str, List[str]] = {}
+    for s in systems:
+        if s not in ANCHORS:
+            by_stage.setdefault(s[2:] if s[:2] in ("ss", "ds") else s, []).append(s)
+    room = max(max_alive - len(anchors), 1)
+    waves: List[List[str]] = []
+    cur: List[str] = []
+    for grp in by_stage.values():
+        if cur and len(cur) + len(grp) > room:
+            waves.append(cur)
+            cur = []
+        cur = cur + grp
+    if cur or not waves:
+        waves.append(cur)
+    return [anchors + w for w in waves]
+
+
+def run_waves(systems: List[str], model_name: str, *, max_alive: int = 8, add_ratios=None, log=print, **kw) -> Dict[str, dict]:
+    """``run_interleaved`` over each wave; ratios are computed inside a wave, anchors reported from the first."""
+    merged: Dict[str, dict] = {}
+    waves = plan_waves(systems, max_alive)
+    for i, wave in enumerate(waves):
+        if len(waves) > 1:
+            log(f"  [{model_name}] wave {i + 1}/{len(waves)}: {', '.join(wave)}")
+        rows = run_interleaved(wave, model_name, log=log, **kw)
+        if add_ratios is not None:
+            add_ratios(rows)
+        for s, r in rows.items():
+            r["wave"] = i
+            if s in merged:
+                merged[s].setdefault("other_waves_median_step_s", []).append(r.get("median_step_s"))
+            else:
+                merged[s] = r
+    return {s: merged[s] for s in systems if s in merged}
+
+
 def summarise(system: str, model_name: str, dtype: str, world: int, info: dict, times: List[float],
               reps: List[dict]) -> dict:
     from benchmarks.models import tokens_per_step
