@@ -308,7 +308,14 @@ class SystemGroup:
             q.put(("report",))
         return self._collect("report", 300)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        if kill:  # interrupted: do not wait for workers that may be mid-step
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                p.join()
+            return
         for q in self.cmd_qs:
             try:
                 q.put(("exit",))
@@ -328,6 +335,7 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
     total = warmup + blocks * steps_per_block
     groups = {s: SystemGroup(s, model_name, dtype, world, total) for s in systems}
     results: Dict[str, dict] = {}
+    ok = False
     try:
         for s, g in groups.items():
             g.wait_ready()
@@ -340,12 +348,15 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
         for s in live:  # warm-up, untimed
             groups[s].run(warmup, timed=False)
         times: Dict[str, List[float]] = {s: [] for s in live}
+        block_medians: Dict[str, List[float]] = {s: [] for s in live}
         for b in range(blocks):
             order = live[b % len(live):] + live[: b % len(live)] if live else []
             if b % 2 == 1:
                 order = order[::-1]
             for s in order:
-                times[s].extend(groups[s].run(steps_per_block, timed=True))
+                ts = groups[s].run(steps_per_block, timed=True)
+                times[s].extend(ts)
+                block_medians[s].append(statistics.median(ts))
             log(f"  [{model_name}] block {b + 1}/{blocks}: " + ", ".join(
                 f"{s} {statistics.median(times[s]):.3f}s" for s in live))
         for s in systems:
@@ -355,9 +366,11 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
                 continue
             reps = g.report()
             results[s] = summarise(s, model_name, dtype, world, g.info, times[s], reps)
+            results[s]["block_medians"] = block_medians[s]
+        ok = True
     finally:
         for g in groups.values():
-            g.close()
+            g.close(kill=not ok)
     return results
 
 

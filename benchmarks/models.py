@@ -102,9 +102,9 @@ class LocalGPT(nn.Module):
 
 #: Benchmark model specs: name -> (kind, kwargs). Sizes chosen so the full suite fits in 15 min on 2 cores.
 MODELS: Dict[str, dict] = {
-    "mlp": dict(kind="mlp", d_in=512, hidden=1024, depth=6, d_out=512, batch=64, timing=(3, 4, 5)),  # ~6.3M params
+    "mlp": dict(kind="mlp", d_in=512, hidden=1024, depth=6, d_out=512, batch=64, timing=(3, 8, 2)),  # ~6.3M params
     "gpt": dict(kind="gpt", vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512, batch=4,
-                timing=(2, 4, 2)),  # ~23M params; timing = (warm-up, blocks, timed steps per block)
+                timing=(2, 6, 1)),  # ~23M params; timing = (warm-up, blocks, timed steps per block)
     "gpt-quick": dict(kind="gpt", vocab_size=4096, block_size=64, n_layer=4, n_head=4, n_embd=256, batch=8),  # ~4.2M
     "mlp-quick": dict(kind="mlp", d_in=256, hidden=512, depth=4, d_out=256, batch=32),
     "gpt-50m": dict(kind="gpt", vocab_size=16384, block_size=128, n_layer=8, n_head=8, n_embd=640, batch=2,

@@ -5,6 +5,7 @@ import csv
 import json
 import os
 import platform
+import statistics
 import subprocess
 from typing import Dict, List, Optional
 
@@ -50,13 +51,21 @@ def add_ratios(rows: Dict[str, dict]) -> None:
         r = rows.get(name)
         return r["peak_rss_delta_mb"] if r and r.get("status") == "ok" else None
 
+    def paired(r, peer):
+        """Median over rounds of (this system's block median / the peer's block median in the same round):
+        robust to load that changes between rounds, as it does on this shared 2-core box."""
+        p = rows.get(peer)
+        if not p or p.get("status") != "ok" or not r.get("block_medians") or not p.get("block_medians"):
+            return None
+        return statistics.median(a / b for a, b in zip(r["block_medians"], p["block_medians"]))
+
     for s, r in rows.items():
         if r.get("status") != "ok":
             continue
-        for peer, key in (("ddp", "vs_ddp"), ("fsdp2", "vs_fsdp2")):
-            r[key] = r["median_step_s"] / t(peer) if t(peer) else None
         ds = peer_of(s)
-        r["vs_deepspeed"] = r["median_step_s"] / t(ds) if ds and t(ds) else None
+        for peer, key in (("ddp", "vs_ddp"), ("fsdp2", "vs_fsdp2"), (ds, "vs_deepspeed")):
+            r[key] = paired(r, peer) if peer else None
+            r[key + "_of_medians"] = r["median_step_s"] / t(peer) if peer and t(peer) else None
         r["mem_vs_deepspeed"] = r["peak_rss_delta_mb"] / m(ds) if ds and m(ds) else None
         r["mem_vs_fsdp2"] = r["peak_rss_delta_mb"] / m("fsdp2") if m("fsdp2") else None
         ref = rows.get("ddp") if rows.get("ddp", {}).get("status") == "ok" else None
