@@ -16,7 +16,7 @@ import torch
 from distributed import run_distributed
 from test_memory import Net
 
-BUCKET = 50_000
+BUCKET = 30_000
 STAGES = [0, 1, 2] + ([3] if importlib.util.find_spec("shardspeed.zero.stage3") else [])
 
 

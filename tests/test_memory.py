@@ -9,7 +9,7 @@ gradient storage itself (no extra buffer), stage 2 keeps only the reduced shard 
 
 A second check watches the transient gradient memory *during* backward at stage 2 (issue 3: "full-size
 gradient memory is never held for the whole model"): the reducer's held bytes may exceed the shard by the
-in-flight buckets (at most two reduce buckets), never by the whole model.
+in-flight buckets (two in flight and one being filled), never by the whole model.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 from distributed import run_distributed
 
-BUCKET = 50_000  # elements: several units on the ~250k-parameter model
+BUCKET = 30_000  # elements: about one unit per layer (~9 units) on the ~200k-parameter model
 STAGES = [0, 1, 2] + ([3] if importlib.util.find_spec("shardspeed.zero.stage3") else [])
 
 
 class Net(nn.Module):
-    def __init__(self, dims=(64, 320, 320, 320, 64)):
+    def __init__(self, dims=(64,) + (160,) * 8 + (64,)):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
 
@@ -78,7 +78,8 @@ def _measure() -> list:
                 engine.backward(engine(x, y))
                 engine.step()
             padded = sum(u.layout.padded_numel for u in engine._p.master.units)
-            out.append(dict(dtype=dtype, stage=stage, world=world, rank=rank, psi=psi, padded=padded,
+            largest = max(u.layout.padded_numel for u in engine._p.master.units)
+            out.append(dict(dtype=dtype, stage=stage, world=world, rank=rank, psi=psi, padded=padded, largest=largest,
                             report=engine.memory_breakdown(), grad_peak_in_backward=peak["bytes"]))
             del engine, model
     return out
@@ -111,15 +112,14 @@ def test_report_counts_every_part(measured):
             assert rep["gradients"] == pytest.approx(w * r["padded"] / n, rel=0.02)
 
 
-@pytest.mark.xfail(reason="library: stage 2 frees its full-size gradient buckets only after the whole backward "
-                          "(GradientReducer.finish_backward), so every unit's bucket is alive at once; "
-                          "see docs/benchmarks.md 'Problems found'", strict=False)
 def test_stage2_never_holds_full_gradients_during_backward(measured):
     for r in measured:
         if r["stage"] != 2:
             continue
         w = 4 if r["dtype"] == "fp32" else 2
-        allowance = w * r["padded"] / r["world"] + 2 * w * BUCKET * 1.05
+        # the reduced shard, two buckets in flight and the one being filled (a unit is at least one parameter,
+        # so a bucket can exceed reduce_bucket_size: count the largest unit)
+        allowance = w * r["padded"] / r["world"] + 3 * w * max(BUCKET, r["largest"])
         assert r["grad_peak_in_backward"] <= allowance, (
             f"{r['dtype']} rank {r['rank']}: {r['grad_peak_in_backward']} B of gradient buffers during backward, "
-            f"allowed {allowance:.0f} (shard + two buckets); the full model is {w * r['padded']} B")
+            f"allowed {allowance:.0f} (shard + three buckets); the full model is {w * r['padded']} B")
