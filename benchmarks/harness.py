@@ -224,6 +224,11 @@ def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, por
         res_q.put((rank, "error", traceback.format_exc()))
 
 
+def _last_line(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return (lines[0] + " ... " + lines[-1]) if len(lines) > 1 else (lines[0] if lines else "")
+
+
 def _idle_until_exit(cmd_q) -> None:
     while True:
         cmd = cmd_q.get()
@@ -345,8 +350,13 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
                 msg = "\n" + g.message
             log(f"  [{model_name}] {s:8s} {g.status}{msg}")
         live = [s for s in systems if groups[s].status == "ok"]
-        for s in live:  # warm-up, untimed
-            groups[s].run(warmup, timed=False)
+        for s in list(live):  # warm-up, untimed; a system that fails is reported, the others go on
+            try:
+                groups[s].run(warmup, timed=False)
+            except RuntimeError as exc:
+                groups[s].status, groups[s].message = "failed", _last_line(str(exc))
+                log(f"  [{model_name}] {s} FAILED in warm-up: {groups[s].message}")
+                live.remove(s)
         times: Dict[str, List[float]] = {s: [] for s in live}
         block_medians: Dict[str, List[float]] = {s: [] for s in live}
         for b in range(blocks):
@@ -354,10 +364,18 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
             if b % 2 == 1:
                 order = order[::-1]
             for s in order:
-                ts = groups[s].run(steps_per_block, timed=True)
+                if s not in live:
+                    continue
+                try:
+                    ts = groups[s].run(steps_per_block, timed=True)
+                except RuntimeError as exc:
+                    groups[s].status, groups[s].message = "failed", _last_line(str(exc))
+                    log(f"  [{model_name}] {s} FAILED: {groups[s].message}")
+                    live.remove(s)
+                    continue
                 times[s].extend(ts)
                 block_medians[s].append(statistics.median(ts))
-            log(f"  [{model_name}] block {b + 1}/{blocks}: " + ", ".join(
+            log(f"  [{model_name}] block {b + 1}/{blocks} (median so far): " + ", ".join(
                 f"{s} {statistics.median(times[s]):.3f}s" for s in live))
         for s in systems:
             g = groups[s]
@@ -429,8 +447,14 @@ def summarise(system: str, model_name: str, dtype: str, world: int, info: dict, 
     paper = sum(v["msg_bytes"] * PAPER_FACTOR.get(op, 1.0) for op, v in comms.items())
     med = statistics.median(times)
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [med] * 9
+    lib = reps[0]["library_comms_per_step"]
+    comm_source = "torch.distributed counter" + (" + DDP bucket sizes" if system == "ddp" else "")
+    if lib:  # shardspeed: its own comms log (the same message-size convention), as issue 3 asks
+        comms = {op: {"msg_bytes": v["msg_bytes"], "count": v["count"]} for op, v in lib.items()}
+        paper = sum(v["paper_bytes"] for v in lib.values())
+        comm_source = "shardspeed comms log"
     return {
-        "system": system, "status": "ok", "model": model_name, "dtype": dtype, "world": world,
+        "system": system, "status": "ok", "model": model_name, "comm_source": comm_source, "dtype": dtype, "world": world,
         "params": info["params"], "optimizer_kernel": info["kernel"],
         "median_step_s": med, "p10_step_s": q[0], "p90_step_s": q[-1], "timed_steps": len(times),
         "tokens_per_s": tokens_per_step(model_name, world) / med,
