@@ -21,9 +21,16 @@ from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
-# torch >= 2.12 renames the tensor-in/tensor-out collectives; older versions only have the old names
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_tensor(output, input, group, async_op):
+    # torch >= 2.12 renames the tensor-in/tensor-out collectives; looked up per call so that wrappers
+    # installed on torch.distributed later (profilers, byte counters) see our traffic too
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_tensor(output, input, group, async_op):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 #: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
 _RING_FACTOR = {
@@ -114,6 +121,10 @@ class CommHandle:
         self._record = record
         self._describe = describe
         self._log = log
+
+    def is_completed(self) -> bool:
+        """Non-blocking: has the collective finished (an error surfaces at :meth:`wait`)."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:

@@ -88,6 +88,7 @@ class GradientReducer:
         self._reduce_now = True
         self._next_launch = 0
         self._in_flight: List[_UnitGrads] = []
+        self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
         # stages 2-3 bound the full-size buckets alive at once; None: no bound (stages 0-1 keep them anyway)
         self.max_in_flight = max_in_flight
         self.on_unit_ready = on_unit_ready
@@ -113,8 +114,20 @@ class GradientReducer:
 
     def _bucket(self, g: _UnitGrads) -> torch.Tensor:
         if g.bucket is None:
-            g.bucket = torch.zeros(g.unit.layout.padded_numel, dtype=self.policy.accum_dtype, device=g.unit.device)
+            n = g.unit.layout.padded_numel
+            free = self._pool.get(n)
+            if free:
+                g.bucket = free.pop().zero_()
+            else:
+                g.bucket = torch.zeros(n, dtype=self.policy.accum_dtype, device=g.unit.device)
         return g.bucket
+
+    def _recycle(self, t: torch.Tensor) -> None:
+        """Keep a few freed buckets for the next units of the same size in this backward (transformer
+        blocks all match): fewer allocations; buckets in flight plus spares never exceed ``max_in_flight``."""
+        spare = sum(len(v) for v in self._pool.values())
+        if len(self._in_flight) + spare < (self.max_in_flight or 0):  # in flight + spare stay within the bound
+            self._pool.setdefault(t.numel(), []).append(t)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         ui, pi = self._where[id(param)]
@@ -160,6 +173,9 @@ class GradientReducer:
             lo, hi = g.unit.layout.chunk_range(g.unit.rank)
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
+        # finish what is already done without blocking; block only past the memory bound
+        while self._in_flight and self._in_flight[0].handle.is_completed() and self.policy.every_micro_step:
+            self._complete(self._in_flight.pop(0))
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
             self._complete(self._in_flight.pop(0))
 
@@ -174,6 +190,8 @@ class GradientReducer:
             if g.accum is None:
                 g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
             g.accum.add_(reduced, alpha=1.0 / post)
+            if g.bucket is not None:
+                self._recycle(g.bucket)
             g.bucket = None  # stages 2-3: full-size gradients are not kept
         else:
             if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
@@ -193,6 +211,7 @@ class GradientReducer:
         self._next_launch = len(self._order)
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
+        self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
         if not self._order_learned:
             self._learn_order()
 
@@ -230,7 +249,7 @@ class GradientReducer:
 
     def held_bytes(self) -> int:
         """Bytes of gradient storage held now (buckets and accumulators)."""
-        total = 0
+        total = sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
         for g in self._grads:
             for t in (g.bucket, g.accum):
                 if t is not None:
