@@ -100,6 +100,10 @@ class ParamManager:
         self._grad_done: set = set()
         self._hooks = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
+        self._root = root
+        self._fwd_uses: List[int] = []  # unit uses in order (with repeats) of the first training forward
+        self._recording_uses = True
+        self._uses_seen = 0
         self.gather_count = 0
         unit_of: Dict[int, ShardedParamUnit] = {}
         for u in self.units:
@@ -169,15 +173,27 @@ class ParamManager:
         def hook(module, args):
             for i in indices:
                 self._refs[i] += 1
+                self._uses_seen += 1
+                if self._recording_uses:
+                    self._fwd_uses.append(i)
                 self._gather(i)
 
         return hook
+
+    def _needed_again_soon(self, index: int, module: nn.Module) -> bool:
+        """Keep a unit gathered after its module's forward when gathering it again would be waste: the root
+        (its backward comes next) and units the traced forward uses again later (a tied LM head)."""
+        if not torch.is_grad_enabled():
+            return False
+        if module is self._root:
+            return True
+        return not self._recording_uses and index in self._fwd_uses[self._uses_seen :]
 
     def _make_post_forward(self, indices: List[int]):
         def hook(module, args, output):
             for i in indices:
                 self._refs[i] -= 1
-                if self._refs[i] == 0:
+                if self._refs[i] == 0 and not self._needed_again_soon(i, module):
                     self._release(i)
             if torch.is_grad_enabled():
                 tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
@@ -204,6 +220,7 @@ class ParamManager:
     def begin_forward(self) -> None:
         self._phase = "forward"
         self._pos["forward"] = 0
+        self._uses_seen = 0
 
     def begin_backward(self) -> None:
         self._phase = "backward"
@@ -222,6 +239,8 @@ class ParamManager:
                 self._trace[phase] = list(tr)
         if "forward" in self._trace and "backward" in self._trace:
             self._tracing = {}
+        if self._fwd_uses:
+            self._recording_uses = False  # the first training forward's sequence of unit uses is the plan
         self._phase = "forward"
 
     def after_step(self) -> None:
