@@ -13,7 +13,7 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence
 
 _CTX = None
 
@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeout):
+def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeout, final_barrier):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -46,18 +46,22 @@ def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeou
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: tensors must not travel as shared-memory handles
         results.put((rank, "ok", buf.getvalue()))
-        dist.barrier()
-        dist.destroy_process_group()
+        if final_barrier:
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:  # report everything, including SystemExit from a test helper
         results.put((rank, "error", traceback.format_exc()))
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0,
-                    collective_timeout: float = 60.0, **kwargs) -> List[Any]:
+                    collective_timeout: float = 60.0, may_die: Sequence[int] = (), final_barrier: bool = True,
+                    **kwargs) -> List[Any]:
+    """``may_die``: ranks allowed to exit without reporting (fault tests); their result is None."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, kwargs, collective_timeout),
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, kwargs, collective_timeout,
+                                                      final_barrier),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -66,7 +70,11 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
     import time
     deadline = time.monotonic() + timeout
     try:
-        while len(out) + len(errors) < world_size:
+        def settled() -> int:
+            gone = [i for i in may_die if i not in out and procs[i].exitcode is not None]
+            return len(out) + len(gone)
+
+        while settled() < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{world_size}-rank group did not finish within {timeout}s "
@@ -74,7 +82,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in out and i not in may_die]
                 if dead and not errors:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[i].exitcode for i in dead]} "
                                        f"without reporting")
@@ -95,4 +104,4 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
     if errors:
         rank, tb = errors[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}")
-    return [out[r] for r in range(world_size)]
+    return [out.get(r) for r in range(world_size)]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,10 @@ from ..errors import DistributedError
 from .topology import Topology
 
 logger = logging.getLogger(__name__)
+
+# torch >= 2.12 renames the tensor-in/tensor-out collectives; older versions only have the old names
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 #: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
 _RING_FACTOR = {
@@ -51,35 +56,41 @@ class CommRecord:
         return self.msg_bytes * _PAPER_FACTOR[self.op]
 
 
-@dataclass
 class CommsLogger:
-    """Records collectives. ``enabled`` False keeps only the per-op totals (cheap)."""
+    """Counts every collective: per-op totals always (cheap, bounded); per-call records when ``keep_records``.
 
-    enabled: bool = True
-    keep_records: bool = True
-    records: List[CommRecord] = field(default_factory=list)
+    Per-call records are kept in a ring of ``max_records`` so a long run cannot grow without bound.
+    """
+
+    def __init__(self, keep_records: bool = False, max_records: int = 100_000):
+        self.keep_records = keep_records
+        self.records: Deque[CommRecord] = deque(maxlen=max_records)
+        self._totals: Dict[str, Dict[str, float]] = OrderedDict()
 
     def start(self, op: str, tensor: torch.Tensor, world: int) -> CommRecord:
         rec = CommRecord(op, tensor.numel() * tensor.element_size(), tensor.numel(), world, time.perf_counter())
-        if self.enabled and self.keep_records:
+        s = self._totals.get(op)
+        if s is None:
+            s = self._totals[op] = dict(count=0, msg_bytes=0, ring_bytes=0.0, paper_bytes=0.0, seconds=0.0)
+        s["count"] += 1
+        s["msg_bytes"] += rec.msg_bytes
+        s["ring_bytes"] += rec.ring_bytes
+        s["paper_bytes"] += rec.paper_bytes
+        if self.keep_records:
             self.records.append(rec)
         return rec
 
+    def finish(self, rec: CommRecord) -> None:
+        rec.end = time.perf_counter()
+        self._totals[rec.op]["seconds"] += rec.end - rec.start
+
     def reset(self) -> None:
         self.records.clear()
+        self._totals.clear()
 
     def summary(self) -> Dict[str, Dict[str, float]]:
-        """Per op: count, message bytes, ring bytes per rank, paper bytes and total seconds."""
-        out: Dict[str, Dict[str, float]] = OrderedDict()
-        for r in self.records:
-            s = out.setdefault(r.op, dict(count=0, msg_bytes=0, ring_bytes=0.0, paper_bytes=0.0, seconds=0.0))
-            s["count"] += 1
-            s["msg_bytes"] += r.msg_bytes
-            s["ring_bytes"] += r.ring_bytes
-            s["paper_bytes"] += r.paper_bytes
-            if r.end is not None:
-                s["seconds"] += r.end - r.start
-        return out
+        """Per op: count, message bytes, ring bytes per rank, paper bytes and seconds until completion."""
+        return OrderedDict((op, dict(s)) for op, s in self._totals.items())
 
     def table(self) -> str:
         """A printable table of :meth:`summary`."""
@@ -95,13 +106,14 @@ class CommsLogger:
 class CommHandle:
     """An issued collective: ``wait()`` blocks until it is done (a host sync point)."""
 
-    __slots__ = ("tensor", "_work", "_record", "_describe")
+    __slots__ = ("tensor", "_work", "_record", "_describe", "_log")
 
-    def __init__(self, tensor: torch.Tensor, work, record: CommRecord, describe: str):
+    def __init__(self, tensor: torch.Tensor, work, record: CommRecord, describe: str, log: "CommsLogger"):
         self.tensor = tensor
         self._work = work
         self._record = record
         self._describe = describe
+        self._log = log
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -110,7 +122,7 @@ class CommHandle:
             except RuntimeError as exc:  # gloo/nccl raise RuntimeError subclasses on timeout or peer loss
                 raise _explain(self._describe, exc) from exc
             self._work = None
-            self._record.end = time.perf_counter()
+            self._log.finish(self._record)
         return self.tensor
 
 
@@ -129,22 +141,22 @@ class Collectives:
         self.topology = topology
         self.group = topology.dp_group
         self.world = topology.dp_size
-        self.log = logger_ if logger_ is not None else CommsLogger(enabled=False)
+        self.log = logger_ if logger_ is not None else CommsLogger()
 
     def _run(self, op: str, fn, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> CommHandle:
         rec = self.log.start(op, tensor, self.world)
         describe = f"{op}({tensor.numel()} x {tensor.dtype})"
         if self.world == 1:
-            rec.end = rec.start
-            return CommHandle(out, None, rec, describe)
+            self.log.finish(rec)
+            return CommHandle(out, None, rec, describe, self.log)
         try:
             work = fn(async_op)
         except RuntimeError as exc:
             raise _explain(describe, exc) from exc
-        handle = CommHandle(out, work, rec, describe)
+        handle = CommHandle(out, work, rec, describe, self.log)
         if not async_op:
             handle._work = None
-            rec.end = time.perf_counter()
+            self.log.finish(rec)
         return handle
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> CommHandle:
@@ -160,7 +172,7 @@ class Collectives:
             return self._run("reduce_scatter", None, input, output, async_op)
         return self._run(
             "reduce_scatter",
-            lambda a: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=a),
+            lambda a: _reduce_scatter_tensor(output, input, group=self.group, async_op=a),
             input,
             output,
             async_op,
@@ -174,7 +186,7 @@ class Collectives:
             return self._run("all_gather", None, output, output, async_op)
         return self._run(
             "all_gather",
-            lambda a: dist.all_gather_into_tensor(output, input, group=self.group, async_op=a),
+            lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
             output,
             output,
             async_op,

@@ -17,6 +17,7 @@ from ..precision import build_loss_scaler
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer, ReducePolicy
+from ..zero.stage3 import build_stage3_units
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine, EngineParts
@@ -117,7 +118,7 @@ def build_engine(
     stage = zero.stage
     train_dtype = cfg.train_dtype
 
-    comms_logger = CommsLogger(enabled=True, keep_records=True)
+    comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
     groups = _param_groups(model, model_parameters, optimizer)
@@ -127,37 +128,37 @@ def build_engine(
     _broadcast_module_state(model, collectives)
     comms_logger.reset()
 
-    if stage == 3:
-        from ..zero.stage3 import build_stage3  # imported here: only stage 3 needs it
-
-        return build_stage3(model=model, cfg=cfg, topo=topo, collectives=collectives, comms_logger=comms_logger,
-                            groups=groups, optimizer_factory=_optimizer_factory(cfg, groups, optimizer),
-                            make_scheduler=lambda opt: _scheduler(cfg, opt, lr_scheduler),
-                            dataloader=_dataloader(cfg, training_data, collate_fn, topo))
-
     params, group_of = _trainable_in_grad_order(model, groups)
     if not params:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
-    world = 1 if stage == 0 else topo.dp_size
-    units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
     accum_dtype = _accum_dtype(cfg)
     policy = ReducePolicy.for_stage(
-        stage, overlap=bool(zero.overlap_comm), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
+        stage, overlap=bool(zero.overlap_comm), reduce_scatter=bool(zero.reduce_scatter), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
         predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
     )
-    reducer = GradientReducer(units, collectives, policy)
+    manager = None
+    if stage == 3:
+        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
+        reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
+                                  on_unit_ready=manager.on_unit_grads_ready)
+    else:
+        world = 1 if stage == 0 else topo.dp_size
+        units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
+        reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
     master = MasterWeights(
         units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
-        sharded=stage >= 1, gather_after_step=stage >= 1, check_overflow=cfg.fp16.enabled,
+        sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled,
     )
+    if manager is not None:
+        manager.master = master
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
         zero_stage=stage, train_dtype=train_dtype, steps_per_print=cfg.steps_per_print,
-        wall_clock_breakdown=cfg.wall_clock_breakdown, training_dataloader=_dataloader(cfg, training_data, collate_fn, topo),
-        config=cfg,
+        wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
+        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
     )
     return Engine(parts)
 

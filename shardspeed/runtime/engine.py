@@ -209,6 +209,8 @@ class Engine:
     def _optimizer_step(self) -> None:
         p = self._p
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
+        if p.param_manager is not None:
+            p.param_manager.after_step()
         p.loss_scaler.update(result.overflow)
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
@@ -271,6 +273,8 @@ class Engine:
         )
         if self._p.wall_clock_breakdown:
             logger.info("time per call: %s", self._timers.report_and_reset())
+        if self._p.comms_logger.keep_records:
+            logger.info("collectives so far:\n%s", self._p.comms_logger.table())
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""

@@ -1,0 +1,5 @@
+"""ZeRO: flat sharded units, gradient reduction, master weights, stage-3 parameter management."""
+from .gathered import GatheredParameters
+from .layout import FlatLayout, Piece, group_by_size
+
+__all__ = ["GatheredParameters", "FlatLayout", "Piece", "group_by_size"]

@@ -54,13 +54,20 @@ class MasterWeights:
         self.masters: List[torch.Tensor] = []
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
+        self.trainable_pieces = []  # per unit: the pieces of parameters that require grad
         for unit in self.units:
+            pieces = [pc for pc in unit.pieces if unit.params[pc.param_index].requires_grad]
+            self.trainable_pieces.append(pieces)
+            if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
+                self.masters.append(None)
+                self.piece_tensors.append([])
+                continue
             device = master_device or unit.device
             aliases = unit.dtype == torch.float32 and device == unit.device
             master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
             self.masters.append(master)
             views = []
-            for piece in unit.pieces:
+            for piece in pieces:
                 view = master[piece.chunk_start : piece.chunk_start + piece.numel]
                 views.append(view)
                 groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
@@ -72,6 +79,9 @@ class MasterWeights:
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
         out = []
         for ui, master in enumerate(self.masters):
+            if master is None:
+                out.append(None)
+                continue
             g = self.reducer.grad_shard(ui)
             if g is not None and (g.dtype != torch.float32 or g.device != master.device):
                 g = g.to(device=master.device, dtype=torch.float32)  # transient fp32 copy for the step
@@ -97,12 +107,13 @@ class MasterWeights:
         if clip > 0:
             coef *= min(1.0, clip / (norm + 1e-6))
         for ui, (g, views) in enumerate(zip(grads, self.piece_tensors)):
-            unit = self.units[ui]
+            if not views:
+                continue
             if g is None:
                 g = torch.zeros_like(self.masters[ui])
             if coef != 1.0:
                 g.mul_(coef)
-            for piece, view in zip(unit.pieces, views):
+            for piece, view in zip(self.trainable_pieces[ui], views):
                 view.grad = g[piece.chunk_start : piece.chunk_start + piece.numel]
         self.optimizer.step()
         for views in self.piece_tensors:
@@ -113,18 +124,33 @@ class MasterWeights:
 
     def _write_back(self) -> None:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
-        for unit, master in zip(self.units, self.masters):
-            if master.data_ptr() != unit.shard.data_ptr():
+        for unit, master, pieces in zip(self.units, self.masters, self.trainable_pieces):
+            if master is None or master.data_ptr() == unit.shard.data_ptr():
+                continue
+            if len(pieces) == len(unit.pieces):
                 unit.shard.copy_(master)
+            else:  # leave frozen parameters' elements alone
+                for pc in pieces:
+                    sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
+                    unit.shard[sl].copy_(master[sl])
         if self.gather_after_step:
             handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
             for h in handles:
                 h.wait()
 
+    def refresh_from_shard(self, unit_index: int) -> None:
+        """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master."""
+        master = self.masters[unit_index]
+        unit = self.units[unit_index]
+        if master is not None and master.data_ptr() != unit.shard.data_ptr():
+            master.copy_(unit.shard)
+
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of master weights and optimizer state this rank holds (not counting aliases of params)."""
         master = sum(
-            m.numel() * m.element_size() for m, u in zip(self.masters, self.units) if m.data_ptr() != u.shard.data_ptr()
+            m.numel() * m.element_size()
+            for m, u in zip(self.masters, self.units)
+            if m is not None and m.data_ptr() != u.shard.data_ptr()
         )
         state = 0
         for st in self.optimizer.state.values():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,8 +50,9 @@ class ReducePolicy:
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
-                  predivide_factor: float = 1.0) -> "ReducePolicy":
-        op = ReduceOp.ALL_REDUCE if stage == 0 else ReduceOp.REDUCE_SCATTER
+                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> "ReducePolicy":
+        """``reduce_scatter=False`` (DeepSpeed's key) all-reduces at stages 1-2 and keeps this rank's part."""
+        op = ReduceOp.REDUCE_SCATTER if stage >= 1 and (reduce_scatter or stage == 3) else ReduceOp.ALL_REDUCE
         return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
 
 
@@ -71,16 +72,25 @@ class _UnitGrads:
 
 
 class GradientReducer:
-    def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy):
+    def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
+                 max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
         self.world = collectives.world
         self._grads = [_UnitGrads(u) for u in self.units]
+        # launch order: units with trainable parameters; re-learned from the first backward (see _learn_order)
+        self._order: List[int] = [i for i, u in enumerate(self.units) if u.grad_params]
+        self._order_learned = False
+        self._completion: List[int] = []
         self._where: Dict[int, Tuple[int, int]] = {}
         self._hooks = []
         self._reduce_now = True
         self._next_launch = 0
+        self._in_flight: List[_UnitGrads] = []
+        # stages 2-3 bound the full-size buckets alive at once; None: no bound (stages 0-1 keep them anyway)
+        self.max_in_flight = max_in_flight
+        self.on_unit_ready = on_unit_ready
         self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
         self._pending_hooks = 0
         for ui, unit in enumerate(self.units):
@@ -96,6 +106,7 @@ class GradientReducer:
         self._next_launch = 0
         self._pending_hooks = sum(len(u.grad_params) for u in self.units)
         self.launch_log.clear()
+        self._completion.clear()
         for g in self._grads:
             g.ready = 0
             g.launched = False
@@ -116,13 +127,17 @@ class GradientReducer:
         param.grad = None
         g.ready += 1
         self._pending_hooks -= 1
-        if self._reduce_now and g.ready == len(g.unit.grad_params):
-            self._launch_ready_prefix()
+        if g.ready == len(g.unit.grad_params):
+            self._completion.append(ui)
+            if self.on_unit_ready is not None:
+                self.on_unit_ready(ui)
+            if self._reduce_now:
+                self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
         """Launch units in fixed order while the next one is complete (same order on every rank)."""
-        while self._next_launch < len(self._grads):
-            g = self._grads[self._next_launch]
+        while self._next_launch < len(self._order):
+            g = self._grads[self._order[self._next_launch]]
             if g.ready < len(g.unit.grad_params):
                 return
             self._launch(g)
@@ -144,6 +159,27 @@ class GradientReducer:
         else:
             lo, hi = g.unit.layout.chunk_range(g.unit.rank)
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
+        self._in_flight.append(g)
+        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+            self._complete(self._in_flight.pop(0))
+
+    def _complete(self, g: _UnitGrads) -> None:
+        """Wait for one unit's reduction and average it into where the optimizer reads it."""
+        g.handle.wait()
+        g.handle = None
+        post = float(self.world) / self.policy.predivide_factor
+        lo, hi = g.unit.layout.chunk_range(g.unit.rank)
+        reduced = g.wire[lo:hi]  # all-reduce: every rank has the sum, this rank keeps its chunk
+        if self.policy.every_micro_step:
+            if g.accum is None:
+                g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
+            g.accum.add_(reduced, alpha=1.0 / post)
+            g.bucket = None  # stages 2-3: full-size gradients are not kept
+        else:
+            if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
+                g.bucket[lo:hi].copy_(reduced)
+            g.bucket[lo:hi].div_(post)
+        g.wire = None
 
     def finish_backward(self) -> None:
         """Launch what is left (in order), wait for all reductions, and average them over ranks.
@@ -152,25 +188,27 @@ class GradientReducer:
         """
         if not self._reduce_now:
             return
-        for g in self._grads[self._next_launch :]:
-            self._launch(g)
-        self._next_launch = len(self._grads)
-        post = float(self.world) / self.policy.predivide_factor
-        for g in self._grads:
-            g.handle.wait()
-            g.handle = None
-            lo, hi = g.unit.layout.chunk_range(g.unit.rank)
-            reduced = g.wire if self.policy.op is ReduceOp.ALL_REDUCE else g.wire[lo:hi]
-            if self.policy.every_micro_step:
-                if g.accum is None:
-                    g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
-                g.accum.add_(reduced, alpha=1.0 / post)
-                g.bucket = None  # stage 2-3: full-size gradients are not kept
-            else:
-                if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
-                    g.bucket[lo:hi].copy_(reduced)
-                g.bucket[lo:hi].div_(post)
-            g.wire = None
+        for ui in self._order[self._next_launch :]:
+            self._launch(self._grads[ui])
+        self._next_launch = len(self._order)
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
+        if not self._order_learned:
+            self._learn_order()
+
+    def _learn_order(self) -> None:
+        """Adopt the order in which unit gradients completed in the first backward, as rank 0 saw it.
+
+        Launching in that order lets early units go while backward still runs; taking rank 0's order keeps
+        every rank issuing the same collectives in the same sequence. One small broadcast, once.
+        """
+        self._order_learned = True
+        seen = list(dict.fromkeys(self._completion))
+        order = seen + [i for i in self._order if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self.units[0].device if self.units else "cpu")
+        if self.world > 1 and t.numel():
+            self.comm.broadcast(t, 0)
+        self._order = [int(i) for i in t.tolist()]
 
     # ---- what the optimizer reads ---------------------------------------------------------------
     def grad_shard(self, unit_index: int) -> Optional[torch.Tensor]:

@@ -6,6 +6,7 @@ it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import List, Sequence
 
 import torch
@@ -71,3 +72,67 @@ class FlatParamUnit:
             f"FlatParamUnit(index={self.index}, params={len(self.params)}, numel={self.numel}, "
             f"padded={self.layout.padded_numel}, state={self.state.value})"
         )
+
+
+class ShardedParamUnit(FlatParamUnit):
+    """Stage 3: only this rank's chunk is held; the full buffer exists while the unit is in use.
+
+    ``gather`` / ``release`` are idempotent state transitions (SHARDED ⇄ GATHERED). While sharded, each
+    parameter's ``.data`` is an empty placeholder, so stray use fails with a shape error instead of
+    silently reading stale values.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
+        super().__init__(params, world, rank, index, align)
+        self.shard = self.shard.clone()  # own storage: the full buffer is about to go
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.release()
+        self._pending = None  # CommHandle of an asynchronous gather in flight
+
+    def release(self) -> None:
+        if self.state is UnitState.SHARDED:
+            return
+        for p in self.params:
+            p.data = self._placeholder
+        self.full = None
+        self.state = UnitState.SHARDED
+
+    def start_gather(self, comm) -> None:
+        """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`."""
+        if self.state is UnitState.GATHERED or self._pending is not None:
+            return
+        self._check_untouched()
+        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self._pending = (full, comm.all_gather(full, self.shard, async_op=True))
+
+    def _check_untouched(self) -> None:
+        """A sharded parameter whose ``.data`` was replaced was edited outside GatheredParameters."""
+        for p in self.params:
+            if p.data.numel() != 0:
+                warnings.warn(
+                    f"a ZeRO-3 parameter of shape {tuple(p.data.shape)} (unit {self.index}) was modified while it "
+                    f"was sharded; the change is discarded. Edit parameters inside "
+                    f"shardspeed.zero.GatheredParameters(params, modifier_rank=0).",
+                    stacklevel=4,
+                )
+                p.data = self._placeholder
+
+    def finish_gather(self) -> None:
+        if self.state is UnitState.GATHERED:
+            return
+        if self._pending is None:
+            raise RuntimeError(f"unit {self.index}: finish_gather without start_gather")
+        full, handle = self._pending
+        handle.wait()
+        self._pending = None
+        self.full = full
+        self._point_params_at_full()
+        self.state = UnitState.GATHERED
+
+    def gather(self, comm) -> None:
+        self.start_gather(comm)
+        self.finish_gather()
+
+    @property
+    def gathering(self) -> bool:
+        return self._pending is not None

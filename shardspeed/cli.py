@@ -1,0 +1,312 @@
+"""The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``; ``autotune`` and
+``consolidate`` are not implemented yet.
+
+``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
+torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
+passes through unchanged; ``--nproc`` is short for ``--nproc-per-node``, and a single-node job with no
+rendezvous or master address given gets ``--standalone`` (a free port, so concurrent jobs on one machine
+do not collide on torchrun's default port 29500).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+from typing import Sequence
+
+_RUN_USAGE = """\
+usage: shardspeed run [--nproc N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
+                      [--rdzv-endpoint H:P] [--max-restarts K] [other torchrun options]
+                      [--] script.py [script args ...]
+
+Launch script.py on N processes per node with torchrun (torch.distributed.run). Any torchrun option
+is accepted before the script; everything after the script goes to the script. On a single node with
+no --master-addr/--master-port/--rdzv-endpoint, --standalone is added (a free port is chosen).
+"""
+
+# Options that mean the user chose the rendezvous themselves: then --standalone is not added.
+_RENDEZVOUS_OPTIONS = {
+    "--standalone",
+    "--rdzv-endpoint",
+    "--rdzv-backend",
+    "--master-addr",
+    "--master-port",
+    "--node-rank",
+}
+
+
+class UsageError(ValueError):
+    """A command line that cannot be turned into a torchrun command line."""
+
+
+def _torchrun_option_arity() -> dict[str, int]:
+    """Every option string torchrun accepts → how many values follow it (0 or 1)."""
+    from torch.distributed.run import get_args_parser
+
+    arity: dict[str, int] = {}
+    for action in get_args_parser()._actions:  # argparse keeps no public list of its actions
+        for opt in action.option_strings:
+            arity[opt] = 0 if action.nargs == 0 else 1
+    return arity
+
+
+def _canonical(option: str) -> str:
+    """``--nproc_per_node`` → ``--nproc-per-node`` (torchrun accepts both spellings)."""
+    return "--" + option[2:].replace("_", "-") if option.startswith("--") else option
+
+
+def build_torchrun_argv(argv: Sequence[str]) -> list[str]:
+    """Turn ``shardspeed run``'s arguments into the argv for ``torch.distributed.run.main``.
+
+    ``--nproc N`` becomes ``--nproc-per-node N``; other torchrun options are passed through as given;
+    ``--`` may separate the options from the script; the script and its arguments follow unchanged.
+    ``--standalone`` is added when the job is single-node and no rendezvous/master was given.
+    Raises ``UsageError`` for an unknown option, an option missing its value, or no script.
+    """
+    arity = _torchrun_option_arity()
+    arity["--nproc"] = 1
+    head: list[str] = []
+    seen: set[str] = set()
+    nnodes: str | None = None
+    i = 0
+    args = list(argv)
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            i += 1
+            break
+        if not tok.startswith("-") or tok == "-":
+            break  # the script
+        if tok.startswith("--"):
+            name, eq, value = tok.partition("=")
+        elif len(tok) > 2:  # "-r3": short option with its value attached
+            name, eq, value = tok[:2], "=", tok[2:]
+        else:
+            name, eq, value = tok, "", ""
+        if name not in arity:
+            raise UsageError(f"unknown torchrun option {name!r}; see `shardspeed run --help`")
+        out_name = "--nproc-per-node" if name == "--nproc" else name
+        seen.add(_canonical(out_name))
+        if arity[name] == 0:
+            if eq:
+                raise UsageError(f"option {name} takes no value")
+            head.append(out_name)
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                raise UsageError(f"option {name} needs a value")
+            value = args[i + 1]
+            i += 2
+        else:
+            i += 1
+        if _canonical(name) == "--nnodes":
+            nnodes = value
+        head += [out_name, value]
+    if i >= len(args):
+        raise UsageError("no script given: shardspeed run [options] script.py [script args]")
+    script, script_args = args[i], args[i + 1 :]
+    single_node = nnodes is None or nnodes in ("1", "1:1")
+    if single_node and not (seen & _RENDEZVOUS_OPTIONS):
+        head.insert(0, "--standalone")
+    return head + [script] + script_args
+
+
+def _cmd_run(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_RUN_USAGE)
+        print("torchrun options:")
+        from torch.distributed.run import get_args_parser
+
+        get_args_parser().print_help()
+        return 0
+    try:
+        torchrun_argv = build_torchrun_argv(argv)
+    except UsageError as e:
+        print(f"shardspeed run: error: {e}", file=sys.stderr)
+        return 2
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(torchrun_argv)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values() if f.exitcode]
+        print(f"shardspeed run: {e.name} failed (exit codes {codes or '?'})", file=sys.stderr)
+        return next((c for c in codes if c > 0), 1)
+    return 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rows: list[tuple[str, str]] = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", platform.platform()),
+        ("shardspeed", _version("shardspeed")),
+        ("torch", torch.__version__),
+        ("pydantic", _version("pydantic")),
+        ("deepspeed", _version("deepspeed")),
+        ("cpus", f"{os.cpu_count()} (torch threads {torch.get_num_threads()})"),
+        ("cuda available", str(torch.cuda.is_available())),
+        ("cuda version", str(torch.version.cuda)),
+    ]
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
+        rows.append(("device", f"{n} x {', '.join(names)}"))
+    else:
+        rows.append(("device", "cpu"))
+    rows.append(("bf16 supported", str(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+                 if torch.cuda.is_available() else "cpu (emulated)"))
+    avail = dist.is_available()
+    rows.append(("torch.distributed", str(avail)))
+    if avail:
+        rows.append(("gloo", str(dist.is_gloo_available())))
+        rows.append(("nccl", str(dist.is_nccl_available())))
+        rows.append(("mpi", str(dist.is_mpi_available())))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """``"1.3B"``, ``"125M"``, ``"7.5e9"``, ``"350000"`` → an int. Raises ValueError."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m:
+        raise ValueError(f"not a parameter count: {text!r} (e.g. 1.3B, 125M, 7.5e9)")
+    return int(round(float(m.group(1)) * _SUFFIXES[m.group(2).lower()]))
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from shardspeed.errors import ConfigError
+    from shardspeed.memory_estimate import estimate_model_state_memory
+
+    if args.params is not None:
+        try:
+            n = parse_count(args.params)
+        except ValueError as e:
+            print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+            return 2
+        source = f"{n:,} parameters"
+    else:
+        import torch
+
+        from shardspeed.models import GPT, GPTConfig
+
+        try:
+            cfg = GPTConfig.preset(args.model)
+        except ValueError as e:
+            print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+            return 2
+        with torch.device("meta"):  # shapes only, no memory
+            n = GPT(cfg).num_params()
+        source = f"GPT preset {args.model!r}: {n:,} parameters"
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+    rows = []
+    try:
+        for s in stages:
+            if args.stage is None:  # the table of all stages: offload wherever the stage allows it
+                oo, op = args.offload_optimizer and s >= 1, args.offload_param and s == 3
+            else:  # one stage asked for: an impossible combination is an error
+                oo, op = args.offload_optimizer, args.offload_param
+            rows.append((s, oo, op, estimate_model_state_memory(n, args.world, s, args.dtype, oo, op)))
+    except ConfigError as e:
+        print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps([
+            {"stage": s, "world_size": args.world, "dtype": args.dtype, "num_params": n,
+             "offload_optimizer": oo, "offload_param": op,
+             "params_device": m.params_device, "grads_device": m.grads_device,
+             "optimizer_device": m.optimizer_device, "params_host": m.params_host,
+             "optimizer_host": m.optimizer_host, "device": m.device, "host": m.host}
+            for s, oo, op, m in rows], indent=2))
+        return 0
+
+    gb = 1e9
+    print(f"Model-state memory per rank ({source}, {args.world} data-parallel ranks, {args.dtype}, Adam)")
+    print("GB = 1e9 bytes; activations, buffers and fragmentation come on top.")
+    header = ("stage", "offload", "params", "grads", "optim", "device/rank", "host/rank")
+    print("{:<6}{:<12}{:>10}{:>10}{:>10}{:>13}{:>12}".format(*header))
+    for s, oo, op, m in rows:
+        offload = "+".join(x for x, on in (("optim", oo), ("param", op)) if on) or "-"
+        print("{:<6}{:<12}{:>10.2f}{:>10.2f}{:>10.2f}{:>13.2f}{:>12.2f}".format(
+            s, offload, (m.params_device + m.params_host) / gb, (m.grads_device + m.grads_host) / gb,
+            (m.optimizer_device + m.optimizer_host) / gb, m.device / gb, m.host / gb))
+    return 0
+
+
+def _not_implemented(name: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"shardspeed {name}: not implemented yet", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate}")
+    # `run` is dispatched before argparse (its arguments belong to torchrun and the script); it is
+    # registered here for --help only.
+    sub.add_parser("run", help="launch a script on N processes (wraps torchrun)", add_help=False)
+
+    p = sub.add_parser("env", help="print versions and the devices and backends available")
+    p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("estimate", help="per-rank memory of model states for each ZeRO stage")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="number of parameters, e.g. 1.3B, 125M, 7.5e9")
+    src.add_argument("--model", help="a GPT preset: tiny, small, gpt2-50m, gpt2-1.3b")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one ZeRO stage (default: all)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
+    p.add_argument("--offload-param", action="store_true", help="parameters in host memory (stage 3)")
+    p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
+    p.set_defaults(func=_cmd_estimate)
+
+    for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),
+                       ("consolidate", "merge a sharded checkpoint into one file (not implemented yet)")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(func=_not_implemented(name))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardspeed`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        return _cmd_run(argv[1:])
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

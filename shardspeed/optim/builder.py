@@ -1,0 +1,255 @@
+"""Build the optimizer named by the DeepSpeed ``"optimizer"`` block, or rebuild a user's over new tensors.
+
+Kernel choice (design note "fused first"). torch's fused Adam/AdamW/SGD kernels run on CPU (torch>=2.4)
+and CUDA, fused Adagrad on CPU only. Measured on the 2-core CPU box (torch 2.13, fp32, AdamW, mean of
+10 steps after 2 warm-up steps):
+
+    ========================  =======  ========  ===============
+    parameters                fused    foreach   for-loop (None)
+    ========================  =======  ========  ===============
+    one flat 10M tensor        5.3 ms  45.2 ms   43.0 ms
+    100 tensors x 100k         6.6 ms  35.5 ms   23.5 ms
+    ========================  =======  ========  ===============
+
+A second run while other jobs loaded the box (fused / foreach / loop): flat 16.6 / 114.8 / 160.3 ms,
+list 138.8 / 582.5 / 427.1 ms: slower everywhere, fused still 4-7x ahead. So fused is chosen whenever
+every parameter is floating point and all sit on one device type the kernel supports. Otherwise nothing
+is forced: torch's default then picks foreach on CUDA and the per-tensor loop on CPU (on CPU the loop
+beat foreach for many tensors, and neither is consistently ahead for one flat tensor). ``fused`` or ``foreach``
+given in the config's params wins over this choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
+
+import torch
+
+from shardspeed.errors import ConfigError
+from shardspeed.optim.lamb import Lamb
+from shardspeed.optim.lion import Lion
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_optimizer", "rebuild_optimizer", "DEEPSPEED_OPTIMIZER_NAMES", "torch_optimizer_classes"]
+
+#: DeepSpeed names shardspeed builds itself (matched case-insensitively).
+DEEPSPEED_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
+
+# DeepSpeed optimizers that depend on DeepSpeed's own kernels or on mup.
+_UNSUPPORTED = {
+    "onebitadam": "1-bit Adam compresses DeepSpeed's own communication; use 'adamw'",
+    "zerooneadam": "0/1 Adam compresses DeepSpeed's own communication; use 'adamw'",
+    "onebitlamb": "1-bit LAMB compresses DeepSpeed's own communication; use 'lamb'",
+    "muadam": "mup's MuAdam is not bundled; build it yourself and pass it as optimizer=",
+    "muadamw": "mup's MuAdamW is not bundled; build it yourself and pass it as optimizer=",
+    "musgd": "mup's MuSGD is not bundled; build it yourself and pass it as optimizer=",
+    "muon": "DeepSpeed's Muon (with its auxiliary Adam for non-matrix parameters) is not implemented; "
+    "build torch.optim.Muon over the 2-D parameters yourself and pass it as optimizer=",
+}
+
+# torch.optim classes that cannot serve as the engine's optimizer (closure-only or sparse-only).
+_EXCLUDED_TORCH = {"Optimizer", "LBFGS", "SparseAdam"}
+
+# Which device types each torch class has a fused kernel for.
+_FUSED_DEVICE_TYPES: Dict[type, frozenset] = {
+    torch.optim.Adam: frozenset({"cpu", "cuda"}),
+    torch.optim.AdamW: frozenset({"cpu", "cuda"}),
+    torch.optim.SGD: frozenset({"cpu", "cuda"}),
+    torch.optim.Adagrad: frozenset({"cpu"}),
+}
+
+# DeepSpeed's FusedAdam / DeepSpeedCPUAdam defaults (note weight_decay 0, where torch's AdamW has 1e-2).
+_DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+# DeepSpeed's FusedLion / DeepSpeedCPULion defaults (the Lion class itself has the paper's).
+_DS_LION_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+
+# Accepted for compatibility with DeepSpeed configs, with no effect here.
+_IGNORED_KEYS = {
+    "adam": {"set_grad_none", "fp32_optimizer_states"},
+    "lion": {"set_grad_none"},
+}
+
+
+def torch_optimizer_classes() -> Dict[str, Type[torch.optim.Optimizer]]:
+    """``{lower-case name: class}`` of the torch.optim optimizers usable by name."""
+    out = {}
+    for name in dir(torch.optim):
+        obj = getattr(torch.optim, name)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, torch.optim.Optimizer)
+            and name not in _EXCLUDED_TORCH
+            and name.lower() not in _UNSUPPORTED
+            and not name.startswith("_")
+        ):
+            out[name.lower()] = obj
+    return out
+
+
+def _valid_names() -> str:
+    torch_names = sorted(c.__name__ for c in torch_optimizer_classes().values())
+    return ", ".join(DEEPSPEED_OPTIMIZER_NAMES) + "; or a torch.optim class: " + ", ".join(torch_names)
+
+
+def _init_kwargs(cls: type) -> List[str]:
+    sig = inspect.signature(cls.__init__)
+    return [
+        n
+        for n, p in sig.parameters.items()
+        if n not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def _materialize(param_groups: Iterable) -> List[Any]:
+    groups = list(param_groups)
+    if not groups:
+        raise ConfigError("build_optimizer got no parameters: pass the model's parameters or param groups")
+    return groups
+
+
+def _all_tensors(groups: Sequence[Any]) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for g in groups:
+        if isinstance(g, Mapping):
+            ps = g["params"]
+            out.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        else:
+            out.append(g)
+    return out
+
+
+def _fused_applies(cls: type, tensors: Sequence[torch.Tensor]) -> bool:
+    device_types = _FUSED_DEVICE_TYPES.get(cls)
+    if not device_types or not tensors:
+        return False
+    kinds = {t.device.type for t in tensors}
+    return len(kinds) == 1 and kinds <= device_types and all(t.is_floating_point() for t in tensors)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
+    """The optimizer for an ``{"type": ..., "params": {...}}`` block (any object with ``.type`` and
+    ``.params``), over ``param_groups`` (tensors, or dicts with ``"params"`` and per-group options).
+
+    Names, case-insensitive: ``adam`` (AdamW unless ``adam_w_mode: false``, then Adam with L2 weight
+    decay), ``adamw``, ``sgd``, ``adagrad``, ``lamb`` (:class:`Lamb`), ``lion`` (:class:`Lion`), or any
+    ``torch.optim`` class by name. Missing Adam/Lion hyper-parameters take DeepSpeed's defaults (Adam:
+    lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0), except with ``torch_adam: true``, which like
+    DeepSpeed means torch's own class and defaults. Raises :class:`ConfigError` for an unknown name, a
+    param the optimizer does not take, or ``max_grad_norm`` (use top-level ``gradient_clipping``).
+    """
+    type_name = getattr(cfg, "type", None)
+    if not isinstance(type_name, str) or not type_name:
+        raise ConfigError(f"optimizer.type must be a non-empty string, got {type_name!r}; valid: {_valid_names()}")
+    params: Dict[str, Any] = dict(getattr(cfg, "params", None) or {})
+    key = type_name.lower()
+
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm is not supported: remove it and set the top-level "
+            "'gradient_clipping' instead"
+        )
+    if key in _UNSUPPORTED:
+        raise ConfigError(f"optimizer.type {type_name!r} is not supported by shardspeed: {_UNSUPPORTED[key]}")
+
+    defaults: Dict[str, Any] = {}
+    if key in ("adam", "adamw"):
+        adam_w_mode = params.pop("adam_w_mode", True)
+        torch_adam = params.pop("torch_adam", False)
+        for ignored in _IGNORED_KEYS["adam"]:
+            params.pop(ignored, None)
+        if not params.pop("bias_correction", True):
+            raise ConfigError(
+                f"optimizer.params.bias_correction=false is not supported for {type_name!r} "
+                "(torch's Adam always corrects bias): remove it"
+            )
+        cls: type = torch.optim.AdamW if (key == "adamw" or adam_w_mode) else torch.optim.Adam
+        if not torch_adam:
+            defaults = dict(_DS_ADAM_DEFAULTS)
+    elif key == "lamb":
+        cls = Lamb
+        if params.pop("amsgrad", False):
+            raise ConfigError("optimizer.params.amsgrad=true is not supported by Lamb: remove it")
+    elif key == "lion":
+        cls = Lion
+        for ignored in _IGNORED_KEYS["lion"]:
+            params.pop(ignored, None)
+        defaults = dict(_DS_LION_DEFAULTS)
+    else:
+        classes = torch_optimizer_classes()
+        if key not in classes:
+            raise ConfigError(f"optimizer.type {type_name!r} is unknown; valid: {_valid_names()}")
+        cls = classes[key]
+
+    accepted = _init_kwargs(cls)
+    compat = {"adam": ["adam_w_mode", "torch_adam", "bias_correction"], "adamw": ["adam_w_mode", "torch_adam", "bias_correction"]}
+    for k in params:
+        if k not in accepted:
+            raise ConfigError(
+                f"optimizer.params.{k} is not a parameter of {type_name!r} ({cls.__module__}.{cls.__name__}); "
+                f"accepted: {', '.join(compat.get(key, []) + accepted)}"
+            )
+    for k, v in list(params.items()):
+        if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes
+            params[k] = tuple(v)
+
+    kwargs = {**defaults, **params}
+    groups = _materialize(param_groups)
+    if (
+        "fused" not in kwargs
+        and "foreach" not in kwargs
+        and not kwargs.get("differentiable", False)
+        and _fused_applies(cls, _all_tensors(groups))
+    ):
+        kwargs["fused"] = True
+    try:
+        optimizer = cls(groups, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"optimizer {type_name!r} rejected its params {params}: {_one_line(e)}") from e
+    logger.debug("built %s with %s", cls.__name__, kwargs)
+    return optimizer
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, param_groups: Sequence[Mapping[str, Any]]) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``type(optimizer)`` with its defaults and per-group hyper-parameters, over
+    new tensors. Optimizer state is not carried over (call it before the first step); hooks neither.
+
+    ``param_groups``: one dict per new group with ``"params"`` (the new tensors) and ``"group_index"``
+    (the index of the group of ``optimizer`` whose hyper-parameters it takes; default: its own
+    position). Any other key in the dict overrides that hyper-parameter for the new group.
+    """
+    cls = type(optimizer)
+    new_groups = []
+    for i, spec in enumerate(param_groups):
+        spec = dict(spec)
+        index = spec.pop("group_index", i)
+        if not 0 <= index < len(optimizer.param_groups):
+            raise IndexError(
+                f"rebuild_optimizer: group_index {index} out of range: the optimizer has "
+                f"{len(optimizer.param_groups)} param groups"
+            )
+        src = optimizer.param_groups[index]
+        group = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in src.items() if k != "params"}
+        group.update(spec)
+        new_groups.append(group)
+
+    accepted = set(_init_kwargs(cls))
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    try:
+        return cls(new_groups, **kwargs)
+    except TypeError:
+        # A user optimizer whose constructor does not mirror its defaults: build the base object and copy
+        # the instance's own attributes (everything but its parameters, state and hooks).
+        new = cls.__new__(cls)
+        torch.optim.Optimizer.__init__(new, new_groups, dict(optimizer.defaults))
+        skip = set(vars(new)) | {"state", "param_groups", "defaults"}
+        for k, v in vars(optimizer).items():
+            if k not in skip:
+                setattr(new, k, v)
+        return new

@@ -1,0 +1,259 @@
+"""ZeRO stage 3: parameters live as shards and are gathered per unit around their use.
+
+- Units (:func:`select_units`): walking the module tree children-first, a module becomes a unit when the
+  parameters under it that no smaller unit took reach ``min_numel``; the root takes what is left.
+- :class:`ParamManager` registers forward pre/post hooks on each unit's module (and on any other module
+  that directly holds one of its parameters, e.g. a tied LM head) that gather and release the unit
+  (reference-counted), and a gradient hook on those modules' outputs that re-gathers the unit before its
+  backward. A unit is released in backward once all of its gradients have arrived (then its gradients
+  are reduce-scattered by the :class:`~.reducer.GradientReducer`).
+- Prefetch: the order units are gathered in is recorded per phase on the first step and replayed: when a
+  unit is needed, the following units (up to ``prefetch_bucket_size`` elements) are all-gathered
+  asynchronously.
+- Units smaller than ``param_persistence_threshold`` elements stay gathered after first use.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..dist.comms import Collectives
+from .unit import ShardedParamUnit, UnitState
+
+logger = logging.getLogger(__name__)
+
+
+def select_units(module: nn.Module, min_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    """Partition ``module``'s parameters into units: (owning module, parameters) in forward-ish order.
+
+    Each parameter appears once (tied parameters go to the first unit that reaches them).
+    """
+    claimed: set = set()
+    units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
+
+    def unclaimed(m: nn.Module) -> List[nn.Parameter]:
+        out, seen = [], set()
+        for p in m.parameters():
+            if id(p) not in claimed and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            visit(child)
+        if m is module:
+            return
+        params = unclaimed(m)
+        if params and sum(p.numel() for p in params) >= min_numel:
+            claimed.update(id(p) for p in params)
+            units.append((m, params))
+
+    visit(module)
+    rest = unclaimed(module)
+    if rest:
+        units.append((module, rest))
+    return units
+
+
+class ParamManager:
+    """Gathers and releases stage-3 units around forward and backward; prefetches in traced order."""
+
+    def __init__(self, units: Sequence[ShardedParamUnit], owners: Sequence[nn.Module], collectives: Collectives,
+                 *, prefetch_numel: int, persistence_numel: int, max_live_numel: int, root: nn.Module):
+        self.units = list(units)
+        self.comm = collectives
+        self.prefetch_numel = int(prefetch_numel)
+        self.persistent = {u.index for u in self.units if u.numel < persistence_numel}
+        self.max_live_numel = int(max_live_numel)
+        self._refs: Dict[int, int] = {u.index: 0 for u in self.units}
+        self._trace: Dict[str, List[int]] = {}
+        self._tracing: Dict[str, List[int]] = {"forward": [], "backward": []}
+        self._pos: Dict[str, int] = {"forward": 0, "backward": 0}
+        self._phase = "forward"
+        self._grad_done: set = set()
+        self._hooks = []
+        self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
+        self.gather_count = 0
+        unit_of: Dict[int, ShardedParamUnit] = {}
+        for u in self.units:
+            for p in u.params:
+                unit_of[id(p)] = u
+        # which units each hooked module needs: its unit's own module, plus modules holding a unit's
+        # parameter directly (tied weights used from another module)
+        needs: Dict[nn.Module, List[int]] = {}
+        for u, m in zip(self.units, owners):
+            needs.setdefault(m, []).append(u.index)
+        root_of_unit = {u.index: m for u, m in zip(self.units, owners)}
+        for m in root.modules():
+            for p in m._parameters.values():
+                if p is None or id(p) not in unit_of:
+                    continue
+                u = unit_of[id(p)]
+                root = root_of_unit[u.index]
+                if m is root or any(m is d for d in root.modules()):
+                    continue
+                if u.index not in needs.setdefault(m, []):
+                    needs[m].append(u.index)
+        self._needs = needs
+        for m, idx in needs.items():
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx)))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
+
+    # ---- gather / release ------------------------------------------------------------------------
+    def _gather(self, index: int) -> None:
+        u = self.units[index]
+        if u.state is not UnitState.GATHERED:
+            if not u.gathering:
+                u.start_gather(self.comm)
+                self.gather_count += 1
+            u.finish_gather()
+        tr = self._tracing.get(self._phase)
+        if tr is not None and index not in tr:
+            tr.append(index)
+        self._prefetch_after(index)
+
+    def _prefetch_after(self, index: int) -> None:
+        order = self._trace.get(self._phase)
+        if not order or self.prefetch_numel <= 0:
+            return
+        try:
+            pos = order.index(index, self._pos[self._phase])
+        except ValueError:
+            return
+        self._pos[self._phase] = pos
+        budget = self.prefetch_numel
+        for nxt in order[pos + 1 :]:
+            u = self.units[nxt]
+            if u.state is UnitState.GATHERED or u.gathering:
+                continue
+            if u.numel > budget:
+                break
+            budget -= u.numel
+            u.start_gather(self.comm)
+            self.gather_count += 1
+
+    def _release(self, index: int) -> None:
+        if index in self.persistent:
+            return
+        self.units[index].release()
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def _make_pre_forward(self, indices: List[int]):
+        def hook(module, args):
+            for i in indices:
+                self._refs[i] += 1
+                self._gather(i)
+
+        return hook
+
+    def _make_post_forward(self, indices: List[int]):
+        def hook(module, args, output):
+            for i in indices:
+                self._refs[i] -= 1
+                if self._refs[i] == 0:
+                    self._release(i)
+            if torch.is_grad_enabled():
+                tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(indices), mode="any"
+                    )
+            return output
+
+        return hook
+
+    def _pre_backward(self, indices: List[int]) -> None:
+        self._phase = "backward"
+        for i in indices:
+            if i not in self._grad_done:
+                self._gather(i)
+
+    def on_unit_grads_ready(self, index: int) -> None:
+        """Called by the reducer when a unit's gradients are all in: it is not needed in this backward."""
+        self._grad_done.add(index)
+        self._release(index)
+
+    # ---- phases (called by the engine) --------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._phase = "forward"
+        self._pos["forward"] = 0
+
+    def begin_backward(self) -> None:
+        self._phase = "backward"
+        self._pos["backward"] = 0
+        self._grad_done.clear()
+
+    def end_backward(self) -> None:
+        """Release everything still gathered and freeze the traces after the first full step."""
+        for u in self.units:
+            if u.gathering:
+                u.finish_gather()
+            self._refs[u.index] = 0
+            self._release(u.index)
+        for phase, tr in list(self._tracing.items()):
+            if tr and phase not in self._trace:
+                self._trace[phase] = list(tr)
+        if "forward" in self._trace and "backward" in self._trace:
+            self._tracing = {}
+        self._phase = "forward"
+
+    def after_step(self) -> None:
+        """Parameters changed: drop every gathered copy, persistent ones included (they are stale)."""
+        for u in self.units:
+            if u.gathering:
+                u.finish_gather()
+            self._refs[u.index] = 0
+            u.release()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _flatten_tensors(obj) -> List[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _flatten_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _flatten_tensors(o)]
+    return []
+
+
+def unit_min_numel(total: int, prefetch_bucket_size: int) -> int:
+    """Size from which a module becomes a unit of its own: about 1/32 of the model (so a transformer's
+    blocks are units), and no more than the prefetch bucket (so the next unit can be prefetched)."""
+    cap = int(prefetch_bucket_size) if prefetch_bucket_size and prefetch_bucket_size > 0 else total
+    return max(1, min(cap, total // 32))
+
+
+def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int):
+    """Shard ``model``'s parameters into units and hook them. Returns (units, manager)."""
+    all_params = list(dict.fromkeys(model.parameters()))
+    total = sum(p.numel() for p in all_params)
+    selected = select_units(model, unit_min_numel(total, zero_cfg.prefetch_bucket_size))
+    units: List[ShardedParamUnit] = []
+    owners: List[nn.Module] = []
+    for owner, params in selected:
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for plist in by_dtype.values():
+            units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units)))
+            owners.append(owner)
+    manager = ParamManager(
+        units, owners, collectives,
+        prefetch_numel=int(zero_cfg.prefetch_bucket_size),
+        persistence_numel=int(zero_cfg.param_persistence_threshold),
+        max_live_numel=int(zero_cfg.max_live_parameters),
+        root=model,
+    )
+    for u in units:
+        for i, p in enumerate(u.params):
+            p._shardspeed_unit = (u, i, manager)
+    return units, manager

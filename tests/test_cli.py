@@ -1,0 +1,151 @@
+import json
+
+import pytest
+import torch
+
+from shardspeed.cli import build_torchrun_argv, main, parse_count, UsageError
+from shardspeed.errors import ConfigError
+from shardspeed.memory_estimate import estimate_model_state_memory
+
+
+# ---- estimate: the ZeRO paper's arithmetic, checked by hand ----
+
+def test_zero_paper_example_7_5b_on_64_ranks():
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, mixed precision Adam: 120 → 31.4 → 16.6 → 1.9 GB
+    gb = [estimate_model_state_memory(7.5e9, 64, s, "bf16").device / 1e9 for s in range(4)]
+    assert gb == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+
+
+def test_hand_computed_1b_on_8_ranks():
+    psi, n = 1e9, 8
+    bf16 = [estimate_model_state_memory(psi, n, s, "bf16").device for s in range(4)]
+    assert bf16 == pytest.approx([16e9, 4e9 + 12e9 / 8, 2e9 + 14e9 / 8, 16e9 / 8])
+    fp32 = [estimate_model_state_memory(psi, n, s, "fp32").device for s in range(4)]
+    assert fp32 == pytest.approx([16e9, 8e9 + 8e9 / 8, 4e9 + 12e9 / 8, 16e9 / 8])
+    m = estimate_model_state_memory(psi, n, 2, "bf16")
+    assert (m.params_device, m.grads_device, m.optimizer_device, m.host) == (2e9, 0.25e9, 1.5e9, 0)
+
+
+def test_offload_moves_states_to_host():
+    m = estimate_model_state_memory(1e9, 8, 2, "bf16", offload_optimizer=True)
+    assert m.device == pytest.approx(2e9 + 2e9 / 8)  # 16-bit params + grad shard
+    assert m.host == pytest.approx(12e9 / 8)
+    m = estimate_model_state_memory(1e9, 8, 3, "fp32", offload_optimizer=True, offload_param=True)
+    assert m.device == pytest.approx(4e9 / 8)  # only the fp32 grad shard stays
+    assert m.host == pytest.approx(8e9 / 8 + 4e9 / 8)
+    assert m.total == pytest.approx(16e9 / 8)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(stage=0, offload_optimizer=True),
+    dict(stage=2, offload_param=True),
+    dict(stage=4),
+    dict(dtype="int8"),
+    dict(world_size=0),
+])
+def test_estimate_rejects_impossible_settings(kwargs):
+    with pytest.raises(ConfigError):
+        estimate_model_state_memory(1e9, **{"world_size": 8, **kwargs})
+
+
+def test_parse_count():
+    assert parse_count("1.3B") == 1_300_000_000
+    assert parse_count("125M") == 125_000_000
+    assert parse_count("7.5e9") == 7_500_000_000
+    assert parse_count("350000") == 350_000
+    with pytest.raises(ValueError):
+        parse_count("lots")
+
+
+def test_estimate_command_table(capsys):
+    assert main(["estimate", "--params", "1B", "--world", "8", "--stage", "2"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("2 ")][0].split()
+    # stage, offload, params, grads, optim, device/rank, host/rank (GB)
+    assert row == ["2", "-", "2.00", "0.25", "1.50", "3.75", "0.00"]
+
+
+def test_estimate_command_json_all_stages(capsys):
+    assert main(["estimate", "--params", "7.5e9", "--world", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["device"] == pytest.approx(16 * 7.5e9 / 64)
+
+
+def test_estimate_command_bad_combination_exits_2(capsys):
+    assert main(["estimate", "--params", "1B", "--stage", "1", "--offload-param"]) == 2
+    assert "stage 3" in capsys.readouterr().err
+
+
+def test_estimate_command_from_model_preset(capsys):
+    assert main(["estimate", "--model", "tiny", "--stage", "0", "--dtype", "fp32", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["num_params"] == 220_544 and row["device"] == 16 * 220_544
+
+
+# ---- run: the torchrun argv, built but never launched ----
+
+def test_run_argv_single_node_gets_standalone():
+    argv = build_torchrun_argv(["--nproc", "2", "examples/train_gpt.py", "--config", "c.json"])
+    assert argv == ["--standalone", "--nproc-per-node", "2", "examples/train_gpt.py", "--config", "c.json"]
+
+
+def test_run_argv_script_args_are_not_touched():
+    argv = build_torchrun_argv(["--nproc=2", "train.py", "--nproc", "7", "--master-port", "1"])
+    assert argv == ["--standalone", "--nproc-per-node", "2", "train.py", "--nproc", "7", "--master-port", "1"]
+
+
+def test_run_argv_multi_node_and_passthrough():
+    argv = build_torchrun_argv([
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
+        "--max-restarts", "3", "--nproc", "8", "--log-dir", "/tmp/logs", "-r3", "--no-python",
+        "--", "train.sh", "-x",
+    ])
+    assert argv == [
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
+        "--max-restarts", "3", "--nproc-per-node", "8", "--log-dir", "/tmp/logs", "-r", "3",
+        "--no-python", "train.sh", "-x",
+    ]
+
+
+def test_run_argv_rdzv_endpoint_disables_standalone():
+    argv = build_torchrun_argv(["--rdzv-endpoint", "host:29400", "--rdzv-backend", "c10d", "t.py"])
+    assert "--standalone" not in argv and argv[-1] == "t.py"
+
+
+def test_run_argv_is_accepted_by_torchrun_parser():
+    from torch.distributed.run import parse_args
+
+    args = parse_args(build_torchrun_argv(["--nproc", "2", "t.py", "--steps", "5"]))
+    assert args.nproc_per_node == "2" and args.standalone
+    assert args.training_script == "t.py" and args.training_script_args == ["--steps", "5"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "2"], "no script"),
+    (["--bogus", "t.py"], "unknown torchrun option"),
+    (["--nproc"], "needs a value"),
+])
+def test_run_argv_errors(argv, message):
+    with pytest.raises(UsageError, match=message):
+        build_torchrun_argv(argv)
+
+
+def test_run_usage_error_exits_2(capsys):
+    assert main(["run", "--bogus", "t.py"]) == 2
+    assert "unknown torchrun option" in capsys.readouterr().err
+
+
+# ---- env, and the commands not written yet ----
+
+def test_env_prints_torch_version(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out
+    assert "gloo" in out and "cuda available" in out
+
+
+@pytest.mark.parametrize("command", ["autotune", "consolidate"])
+def test_unimplemented_commands_exit_2(command, capsys):
+    assert main([command]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
