@@ -29,7 +29,8 @@ from shardspeed.errors import CheckpointError
 
 K = 3  # steps before and after the save
 GLOBAL_BATCH = 8
-RESUME_CASES = [("mlp", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] + [("tied", 2, "fp32"), ("mlp_frozen", 1, "fp32")]
+RESUME_CASES = [("mlp", s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")] + [
+    ("tied", 2, "fp32"), ("tied", 3, "fp32"), ("mlp_frozen", 1, "fp32"), ("mlp_frozen", 3, "fp32")]
 
 
 def _config(stage: int, world: int, dtype: str = "fp32") -> dict:
@@ -47,12 +48,15 @@ def _config(stage: int, world: int, dtype: str = "fp32") -> dict:
     return cfg
 
 
-def _engine(kind: str, stage: int, dtype: str = "fp32", model_seed: int = 0):
+def _engine(kind: str, stage: int, dtype: str = "fp32", model_seed: int = 0, gather16: bool = True):
     import torch.distributed as dist
 
     import shardspeed
 
-    engine, *_ = shardspeed.initialize(model=make_model(kind, model_seed), config=_config(stage, dist.get_world_size(), dtype))
+    cfg = _config(stage, dist.get_world_size(), dtype)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather16
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # some units stay gathered
+    engine, *_ = shardspeed.initialize(model=make_model(kind, model_seed), config=cfg)
     return engine
 
 
@@ -86,7 +90,27 @@ def _steps(engine, kind: str, batches, noise: bool) -> list:
 
 
 def _params(engine) -> dict:
-    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    """Every parameter, full and fp32, as the checkpoint sees it: trained ones from the fp32 master pieces of
+    all ranks (so stage 3, where module parameters are placeholders, is checked too), the rest as held."""
+    import torch.distributed as dist
+
+    from shardspeed.checkpoint.engine_view import EngineView
+
+    v = EngineView(engine)
+    full = {name: torch.zeros(shape).reshape(-1) for name, shape, _ in v.unit_params()}
+    shapes = {name: shape for name, shape, _ in v.unit_params()}
+    for unit, pieces, frozen in zip(v.units, v.pieces(), v.frozen_pieces()):
+        if v.writes_unit(unit):
+            for pc in pieces:
+                full[pc.name][pc.start : pc.end] = pc.master.float()
+            for name, a, b, t in frozen:
+                full[name][a:b] = t.float()
+    for t in full.values():
+        dist.all_reduce(t)
+    out = {n: t.view(shapes[n]) for n, t in full.items()}
+    for name, prm in v.other_params():
+        out[name] = prm.detach().float().clone()
+    return out
 
 
 def _name(kind, stage, dtype, world=2) -> str:
@@ -112,8 +136,7 @@ def _save_group(root: str, resume_cases, reshard_stages) -> dict:
         d = os.path.join(root, "resume", _name(kind, stage, dtype, world))
         e.save_checkpoint(d, client_state={"case": [kind, stage, dtype], "epoch": 7})
         out[("resume", kind, stage, dtype)] = {"straight": straight, "first": first, "params": ref_params,
-                                               "saved_params": _params(e),
-                                               "saved_masters": [m.clone() for m in e._p.master.masters]}
+                                               "saved_params": _params(e)}
     for stage in reshard_stages:
         batches = make_batches("mlp", 2 * K, GLOBAL_BATCH)
         e = _engine("mlp", stage)
@@ -161,6 +184,17 @@ def _load_group(root: str, resume_cases, reshard_loads, extra: str) -> dict:
         e.save_16bit_model(os.path.join(root, "export16"), "pytorch_model.bin")
         e.save_16bit_model(os.path.join(root, "export16"), "model.safetensors")
         out["export16"] = {n: p.detach().clone() for n, p in e.module.state_dict().items()}
+        # stage 3: gathered into the file; with the gather option off, a clear error (not an empty file)
+        e = _engine("tied", 3, "bf16", model_seed=0)
+        _steps(e, "tied", make_batches("tied", 1, GLOBAL_BATCH), noise=False)
+        e.save_16bit_model(os.path.join(root, "export16-s3"), "model.safetensors")
+        out["export16_s3_masters"] = {n: p.detach().clone() for n, p in _params(e).items()}
+        e = _engine("mlp", 3, gather16=False)
+        try:
+            e.save_16bit_model(os.path.join(root, "export16-off"))
+            out["export16_off"] = None
+        except CheckpointError as exc:
+            out["export16_off"] = str(exc)
     if extra == "errors":
         errs = {}
         for case in ("missing", "truncated", "corrupt", "no_metadata"):
@@ -211,12 +245,12 @@ def _break_copies(root: str) -> None:
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     res = {}
-    res[2] = run_distributed(_save_group, 2, root, RESUME_CASES, [0, 1, 2])[0]
-    res[4] = run_distributed(_save_group, 4, root, [], [1, 2])[0]
+    res[2] = run_distributed(_save_group, 2, root, RESUME_CASES, [0, 1, 2, 3])[0]
+    res[4] = run_distributed(_save_group, 4, root, [], [2, 3])[0]
     _break_copies(root)
-    res["load2"] = run_distributed(_load_group, 2, root, RESUME_CASES, [(2, 4, 0), (1, 4, 1)], "world2")[0]
-    res["load1"] = run_distributed(_load_group, 1, root, [], [(2, 2, 0), (1, 2, 1), (0, 2, 2)], "errors")[0]
-    res["load4"] = run_distributed(_load_group, 4, root, [], [(0, 2, 2), (1, 2, 2), (2, 2, 1)], "none")[0]
+    res["load2"] = run_distributed(_load_group, 2, root, RESUME_CASES, [(2, 4, 0), (3, 4, 1)], "world2")[0]
+    res["load1"] = run_distributed(_load_group, 1, root, [], [(3, 2, 1), (2, 2, 0), (1, 2, 3)], "errors")[0]
+    res["load4"] = run_distributed(_load_group, 4, root, [], [(1, 2, 3), (0, 2, 2), (2, 2, 0), (3, 2, 1)], "none")[0]
     res["root"] = root
     return res
 
@@ -235,8 +269,8 @@ def test_exact_resume(runs, case):
 
 
 # ---- resharding -----------------------------------------------------------------------------------------
-RESHARDS = [("load2", 2, 4, 0), ("load2", 1, 4, 1), ("load1", 2, 2, 0), ("load1", 1, 2, 1), ("load1", 0, 2, 2),
-            ("load4", 0, 2, 2), ("load4", 1, 2, 2), ("load4", 2, 2, 1)]
+RESHARDS = [("load2", 2, 4, 0), ("load2", 3, 4, 1), ("load1", 3, 2, 1), ("load1", 2, 2, 0), ("load1", 1, 2, 3),
+            ("load4", 1, 2, 3), ("load4", 0, 2, 2), ("load4", 2, 2, 0), ("load4", 3, 2, 1)]
 
 
 @pytest.mark.parametrize("group,src_stage,src_world,stage", RESHARDS,
@@ -251,7 +285,8 @@ def test_reshard_continues_like_the_original_run(runs, group, src_stage, src_wor
 
 
 # ---- consolidation and export ----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", [("tied", 2, "fp32"), ("mlp_frozen", 1, "fp32"), ("mlp", 2, "bf16")])
+@pytest.mark.parametrize("case", [("tied", 2, "fp32"), ("tied", 3, "fp32"), ("mlp_frozen", 1, "fp32"),
+                                  ("mlp_frozen", 3, "fp32"), ("mlp", 2, "bf16")])
 def test_consolidate_equals_gathered_params(runs, case, tmp_path):
     kind, stage, dtype = case
     saved = runs[2][("resume", *case)]
@@ -264,10 +299,7 @@ def test_consolidate_equals_gathered_params(runs, case, tmp_path):
     model.load_state_dict(sd, strict=True)  # tied names present, nothing missing
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32
-        if dtype == "fp32":
-            assert torch.equal(p.detach(), saved["saved_params"][n]), n
-        else:  # consolidated = fp32 masters; the bf16 model holds their rounding
-            assert torch.equal(p.detach().bfloat16().float(), saved["saved_params"][n]), n
+        assert torch.equal(p.detach(), saved["saved_params"][n]), n  # the fp32 masters, bit for bit
     if kind == "tied":
         assert model.head.weight is model.wte.weight
 
@@ -289,6 +321,15 @@ def test_save_16bit_model(runs):
         for n, t in want.items():
             assert sd[n].dtype == torch.bfloat16 and torch.equal(sd[n], t), n
         make_model("tied").to(torch.bfloat16).load_state_dict(sd)
+    sd = load_file(os.path.join(runs["root"], "export16-s3", "model.safetensors"))
+    masters = runs["load2"]["export16_s3_masters"]
+    assert set(sd) == {"wte.weight", "wpe.weight", "block.0.weight", "block.0.bias", "block.2.weight",
+                       "block.2.bias", "ln.weight", "ln.bias", "head.weight"}
+    for n, t in masters.items():  # stage 3 gathered the shards: every weight is the bf16 of its master
+        assert sd[n].numel() and torch.equal(sd[n], t.bfloat16()), n
+    assert torch.equal(sd["head.weight"], sd["wte.weight"])
+    err = runs["load2"]["export16_off"]
+    assert err and "stage3_gather_16bit_weights_on_model_save" in err
 
 
 # ---- load options and errors -------------------------------------------------------------------------------

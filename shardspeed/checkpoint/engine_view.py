@@ -88,26 +88,43 @@ class EngineView:
             raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in bad))
 
     # ---- what the model holds ---------------------------------------------------------------------
-    def unit_params(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        """(name, shape) of every parameter held in flat units (all ranks agree on these)."""
+    def _trainable_pieces(self, ui: int, unit) -> list:
+        tp = getattr(self.master, "trainable_pieces", None)
+        return list(tp[ui]) if tp is not None else list(unit.pieces)
+
+    def unit_params(self) -> List[Tuple[str, Tuple[int, ...], bool]]:
+        """(name, shape, trainable) of every parameter held in flat units (all ranks agree on these)."""
         out = []
         for u in self.units:
             for prm, shape in zip(u.params, u.shapes):
-                out.append((self.names[id(prm)], tuple(shape)))
+                out.append((self.names[id(prm)], tuple(shape), bool(prm.requires_grad)))
         return out
 
     def pieces(self) -> List[List[OwnedPiece]]:
-        """Per unit, the pieces this rank holds in its master chunk (at stage 0: all of them)."""
+        """Per unit, the trainable pieces this rank holds in its master chunk (at stage 0: all of them)."""
         group_of_view = {}
         for gi, g in zip(self.master.group_indices, self.optimizer.param_groups):
             for t in g["params"]:
                 group_of_view[id(t)] = gi
         out = []
-        for u, views in zip(self.units, self.master.piece_tensors):
+        for ui, (u, views) in enumerate(zip(self.units, self.master.piece_tensors)):
             out.append([
                 OwnedPiece(self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end, v,
                            group_of_view.get(id(v), 0))
-                for pc, v in zip(u.pieces, views)
+                for pc, v in zip(self._trainable_pieces(ui, u), views)
+            ])
+        return out
+
+    def frozen_pieces(self) -> List[List[Tuple[str, int, int, torch.Tensor]]]:
+        """Per unit, (name, start, end, view of the low-precision shard) of pieces of frozen parameters that
+        live in units (stage 3 shards every parameter; stages 0-2 put only trainable ones in units)."""
+        out = []
+        for ui, u in enumerate(self.units):
+            trainable = {(pc.param_index, pc.param_start) for pc in self._trainable_pieces(ui, u)}
+            out.append([
+                (self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end,
+                 u.shard[pc.chunk_start : pc.chunk_start + pc.numel])
+                for pc in u.pieces if (pc.param_index, pc.param_start) not in trainable
             ])
         return out
 
@@ -142,6 +159,9 @@ class EngineView:
         private ``_write_back`` does exactly this today.
         """
         self.master._write_back()
+        manager = self.parts.param_manager
+        if manager is not None:  # stage 3: drop gathered copies (persistent ones too); they are stale now
+            manager.after_step()
 
     # ---- the rest of the training state --------------------------------------------------------------
     def counters(self) -> Dict[str, int]:

@@ -22,7 +22,7 @@ logger = logging.getLogger("shardspeed")
 def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> set:
     """Names of the current model that the checkpoint holds; raises on a mismatch when ``strict``."""
     current: Dict[str, Tuple[int, ...]] = {}
-    for name, shape in view.unit_params():
+    for name, shape, _ in view.unit_params():
         current[name] = tuple(shape)
     for name, t in view.other_params() + view.buffers():
         current[name] = tuple(t.shape)
@@ -48,6 +48,10 @@ def _load_weights(view: EngineView, index: EntryIndex, reader: ShardReader, pres
         for pc in pieces:
             if pc.name in present:
                 read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master)
+    for frozen in view.frozen_pieces():
+        for name, start, end, shard_view in frozen:
+            if name in present:
+                read_range(reader, index, name, WEIGHT, start, end, out=shard_view)
     for name, t in view.other_params() + view.buffers():
         if name in present:
             flat = read_range(reader, index, name, WEIGHT, 0, t.numel(), dtype=t.dtype)

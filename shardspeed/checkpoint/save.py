@@ -61,6 +61,13 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[
                 else:
                     entries.append(Entry(pc.name, str(sk), pc.start, pc.end, "", "", elementwise=False,
                                          value=_jsonable(sv)))
+    for unit, frozen in zip(view.units, view.frozen_pieces()):
+        if not view.writes_unit(unit):
+            continue
+        for name, start, end, t in frozen:
+            key = f"w/{name}/{start}"
+            items.append((key, t))
+            entries.append(Entry(name, WEIGHT, start, end, file, key))
     if view.rank == 0:
         for name, t in view.other_params() + view.buffers():
             key = f"w/{name}/0"
@@ -71,8 +78,9 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[
 
 def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
     tensors: Dict[str, TensorInfo] = {}
-    for name, shape in view.unit_params():
-        tensors[name] = TensorInfo(list(shape), "float32", "param")
+    for name, shape, trainable in view.unit_params():
+        tensors[name] = TensorInfo(list(shape), "float32", "param") if trainable else \
+            TensorInfo(list(shape), dtype_name(view.train_dtype), "frozen")
     for name, prm in view.other_params():
         tensors[name] = TensorInfo(list(prm.shape), dtype_name(prm.dtype), "frozen")
     for name, buf in view.buffers():
