@@ -305,7 +305,9 @@ def test_consolidate_equals_gathered_params(runs, case, tmp_path):
 
 
 def test_consolidate_cli_single_file(runs, tmp_path):
-    rc = consolidate_main([os.path.join(runs["root"], "resume", _name("mlp", 0, "fp32")), str(tmp_path)])
+    from shardspeed.cli import main as cli_main
+
+    rc = cli_main(["consolidate", os.path.join(runs["root"], "resume", _name("mlp", 0, "fp32")), str(tmp_path)])
     assert rc == 0 and os.listdir(tmp_path) == ["model.safetensors"]
     make_model("mlp").load_state_dict(load_consolidated(str(tmp_path)))
     assert consolidate_main([str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1

@@ -141,7 +141,10 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_args(build_parser().parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
     try:
         files = consolidate(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size,
                             verify=not args.no_verify)
