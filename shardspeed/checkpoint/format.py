@@ -196,46 +196,71 @@ def write_file_synced(path: str, data: bytes) -> int:
 
 
 # ---- reading -------------------------------------------------------------------------------------------
+ST_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
 class ShardReader:
-    """Open safetensors files of one checkpoint lazily and read whole tensors, checking their CRC."""
+    """Read whole tensors from the safetensors files of one checkpoint, checking their CRC.
+
+    Reads with ``readinto`` into a fresh tensor rather than through a memory map: the bytes land once in
+    memory this process owns, and the file's pages do not count against the process while it loads.
+    """
 
     def __init__(self, root: str, verify: bool = True):
         self.root = root
         self.verify = verify
-        self._open: Dict[str, object] = {}
+        self._headers: Dict[str, Tuple[int, dict]] = {}
 
-    def _handle(self, file: str):
-        h = self._open.get(file)
+    def _header(self, file: str) -> Tuple[int, dict]:
+        h = self._headers.get(file)
         if h is None:
-            from safetensors import safe_open
-
             path = os.path.join(self.root, file)
             try:
-                h = safe_open(path, framework="pt", device="cpu")
+                with open(path, "rb") as f:
+                    raw = f.read(8)
+                    if len(raw) < 8:
+                        raise ValueError("shorter than its 8-byte header length")
+                    n = struct.unpack("<Q", raw)[0]
+                    text = f.read(n)
+                    if len(text) < n:
+                        raise ValueError("header cut short")
+                    header = json.loads(text)
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint file {path} is missing")
-            except Exception as exc:  # safetensors raises its own error type for torn headers
+            except ValueError as exc:
                 raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt")
-            self._open[file] = h
+            h = (8 + n, header)
+            self._headers[file] = h
         return h
 
     def read(self, file: str, key: str, crc: Optional[int] = None) -> torch.Tensor:
-        h = self._handle(file)
-        try:
-            t = h.get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint file {os.path.join(self.root, file)}: cannot read tensor {key!r} ({exc})")
+        path = os.path.join(self.root, file)
+        base, header = self._header(file)
+        info = header.get(key)
+        if info is None:
+            raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
+        lo, hi = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=ST_TO_DTYPE[info["dtype"]])
+        buf = tensor_bytes(t) if t.numel() else None
+        if buf is not None and len(buf) != hi - lo:
+            raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
+        if buf is not None:
+            with open(path, "rb") as f:
+                f.seek(base + lo)
+                got = f.readinto(memoryview(buf))
+            if got != hi - lo:
+                raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
         if self.verify and crc is not None:
-            got = zlib.crc32(tensor_bytes(t.contiguous()))
-            if got != crc:
+            got_crc = zlib.crc32(buf) if buf is not None else 0
+            if got_crc != crc:
                 raise CheckpointError(
-                    f"checkpoint file {os.path.join(self.root, file)}: tensor {key!r} fails its checksum "
-                    f"(crc32 {got:#010x}, expected {crc:#010x}); the file is corrupt"
+                    f"checkpoint file {path}: tensor {key!r} fails its checksum "
+                    f"(crc32 {got_crc:#010x}, expected {crc:#010x}); the file is corrupt"
                 )
         return t
 
     def close(self) -> None:
-        self._open.clear()
+        self._headers.clear()
 
 
 def file_crc32(path: str, chunk: int = 16 << 20) -> int:
