@@ -150,6 +150,7 @@ def main(argv=None) -> int:
 
     model_config = GPTConfig.preset(args.model, vocab_size=256, block_size=args.block_size)
     model = GPT(model_config)
+    n_params, flops_per_token = model.num_params(), model.flops_per_token()  # before ZeRO-3 shards them
     train_set, val_set = build_text_datasets(args.block_size, args.text, args.max_bytes)
     config = load_config(args.config, args.steps)
 
@@ -161,8 +162,8 @@ def main(argv=None) -> int:
     tokens_per_step = micro * gas * world * args.block_size
 
     if rank == 0:
-        print(f"model {args.model}: {model.num_params():,} parameters, "
-              f"{model.flops_per_token() / 1e6:.1f} MFLOP/token; {len(train_set):,} train windows of "
+        print(f"model {args.model}: {n_params:,} parameters, "
+              f"{flops_per_token / 1e6:.1f} MFLOP/token; {len(train_set):,} train windows of "
               f"{args.block_size} bytes; {world} rank(s) x micro-batch {micro} x accumulation {gas} "
               f"= {tokens_per_step:,} tokens/step; config {args.config}", flush=True)
 

@@ -31,8 +31,10 @@ def initialize(
     the data loader is None unless ``training_data`` is given. ``optimizer`` may be a torch optimizer
     (moved onto the fp32 master weights) or a callable taking parameter groups.
     """
+    from .monitor.log import setup_logging
     from .runtime.builder import build_engine
 
+    setup_logging()
     if model is None:
         raise ConfigError("initialize() needs model=")
     if config is None:

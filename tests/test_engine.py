@@ -198,6 +198,47 @@ def _reduce_scatter_off_case():
     return res
 
 
+def _zero_init_case():
+    """A GPT built under zero.Init is never whole on a rank and trains exactly like one built normally."""
+    import torch.distributed as dist
+
+    import shardspeed
+    import shardspeed.zero
+    from shardspeed.models.gpt import GPT, GPTConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _cfg(3)
+    gcfg = GPTConfig.preset("tiny")
+    out = {}
+    runs = []
+    for sharded_init in (True, False):
+        torch.manual_seed(0)
+        if sharded_init:
+            with shardspeed.zero.Init(config=cfg):
+                model = GPT(gcfg)
+            out["held_elements_after_init"] = sum(p.data.numel() for p in model.parameters())
+            out["shard_elements"] = sum(p._shardspeed_init.shard.numel() for p in model.parameters())
+        else:
+            model = GPT(gcfg)
+            out["full_elements"] = sum(p.numel() for p in model.parameters())
+        engine, *_ = shardspeed.initialize(model=model, config=cfg)
+        params0 = _params(engine)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(2):
+            idx = torch.randint(0, gcfg.vocab_size, (2 * world, 16), generator=g)
+            x, y = idx[rank * 2 : rank * 2 + 2], idx[rank * 2 : rank * 2 + 2].roll(-1, 1)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        runs.append((params0, losses))
+    (p_init, l_init), (p_plain, l_plain) = runs
+    out["same_initial_params"] = all(torch.equal(p_init[n], p_plain[n]) for n in p_plain)
+    out["losses"] = (l_init, l_plain)
+    return out
+
+
 def _all_cases():
     return {
         "overflow": {s: _fp16_overflow_case(s) for s in (0, 2, 3)},
@@ -206,6 +247,7 @@ def _all_cases():
         "client_opt": _client_optimizer_case(),
         "gathered": _gathered_modifier_case(),
         "rs_off": _reduce_scatter_off_case(),
+        "zero_init": _zero_init_case(),
     }
 
 
@@ -268,3 +310,13 @@ def test_reduce_scatter_false_all_reduces_with_same_result(results):
     for n in with_rs:
         torch.testing.assert_close(with_rs[n], without[n], rtol=1e-6, atol=1e-7)
     assert "reduce_scatter" in counts_rs and "reduce_scatter" not in counts_ar
+
+
+def test_zero_init_builds_sharded_and_trains_identically(results):
+    for r in results:
+        z = r["zero_init"]
+        assert z["held_elements_after_init"] == 0
+        # each rank kept about half of every parameter (per-parameter padding only)
+        assert z["full_elements"] / 2 <= z["shard_elements"] <= z["full_elements"] / 2 + 64
+        assert z["same_initial_params"]
+        assert z["losses"][0] == z["losses"][1]

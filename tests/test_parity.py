@@ -1,7 +1,8 @@
 """Every stage trains the same as a one-process plain-torch reference (same global batch, seed, AdamW).
 
-Tolerances: fp32 1e-5 relative on losses and parameters; bf16 (model computes in bf16, fp32 masters on
-both sides, gradients reduced in bf16 across ranks) 2e-2 on losses and 2e-2 absolute on parameters.
+Tolerances: fp32 1e-5 relative on losses and parameters; bf16 and fp16 (model computes in 16 bits, fp32
+masters on both sides, gradients reduced in 16 bits across ranks, fp16 with dynamic loss scaling that the
+reference does not need) 2e-2 on losses and 2e-2 absolute on parameters.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _config(stage: int, gas: int, world: int, dtype: str, bucket: int = 300) -> 
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
 
 
@@ -62,7 +65,7 @@ def _cases(world: int):
     stages = [0, 1, 2, 3]
     return [(k, s, g, d) for (s, g, d) in itertools.product(stages, [1, 3], ["fp32", "bf16"]) for k in ["mlp"]] + [
         (k, s, 2, "fp32") for k in ["tied", "mlp_frozen", "mlp_unused"] for s in stages
-    ]
+    ] + [("mlp", s, 2, "fp16") for s in stages]
 
 
 def _run_all(world: int) -> list:
@@ -72,7 +75,7 @@ def _run_all(world: int) -> list:
 def _check(case, got, world):
     kind, stage, gas, dtype = case
     ref = reference_train(kind, make_batches(kind, STEPS, 2 * gas * world), LR, CLIP,
-                          torch.bfloat16 if dtype == "bf16" else torch.float32)
+                          {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
     tol = 1e-5 if dtype == "fp32" else 2e-2
     assert got["steps"] == STEPS and got["micro"] == STEPS * gas
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=tol,

@@ -12,6 +12,7 @@ from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
 from ..dist.topology import Topology
 from ..errors import ConfigError
+from ..offload import OffloadedMasterWeights, plan_from_config
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..precision import build_loss_scaler
 from ..zero.layout import group_by_size
@@ -121,6 +122,11 @@ def build_engine(
     comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
+    if stage != 3 and any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
+        raise ConfigError(
+            f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
+            f"zero_optimization.stage 3; the config says stage {stage}"
+        )
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if train_dtype != torch.float32:
@@ -145,10 +151,14 @@ def build_engine(
         world = 1 if stage == 0 else topo.dp_size
         units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
-    master = MasterWeights(
-        units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
-        sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled,
-    )
+    master_kwargs = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled)
+    offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
+    if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
+        master = OffloadedMasterWeights(units, reducer, collectives, group_of,
+                                        _optimizer_factory(cfg, groups, optimizer), plan=offload, **master_kwargs)
+    else:
+        master = MasterWeights(units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
+                               **master_kwargs)
     if manager is not None:
         manager.master = master
     parts = EngineParts(

@@ -83,7 +83,7 @@ class Engine:
         self._boundary_override: Optional[bool] = None
         self._in_no_sync = False
         self._timers = Timers(parts.wall_clock_breakdown, parts.topology.device)
-        self._last_loss: Optional[float] = None
+        self._last_loss: Optional[torch.Tensor] = None
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
 
@@ -181,7 +181,7 @@ class Engine:
         """
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ShardspeedError("backward(loss) expects a scalar loss tensor (call .mean() or .sum() first)")
-        self._last_loss = float(loss.detach())
+        self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
         gas = self._p.gradient_accumulation_steps
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
         reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
@@ -268,7 +268,7 @@ class Engine:
         self._t_last_print, self._samples_since_print = now, 0
         logger.info(
             "step=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f",
-            self.global_steps, self._last_loss or float("nan"), [f"{x:.3g}" for x in self.get_lr()],
+            self.global_steps, float(self._last_loss) if self._last_loss is not None else float("nan"), [f"{x:.3g}" for x in self.get_lr()],
             self.loss_scale, f"{self._grad_norm:.4f}" if self._grad_norm is not None else "n/a", rate,
         )
         if self._p.wall_clock_breakdown:

@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters live as shards and are gathered per unit around their use.
 
-- Units (:func:`select_units`): walking the module tree children-first, a module becomes a unit when the
-  parameters under it that no smaller unit took reach ``min_numel``; the root takes what is left.
+- Units (:func:`select_units`): the largest called modules that fit under a size cap (transformer blocks,
+  typically); the root takes what is left.
 - :class:`ParamManager` registers forward pre/post hooks on each unit's module (and on any other module
   that directly holds one of its parameters, e.g. a tied LM head) that gather and release the unit
   (reference-counted), and a gradient hook on those modules' outputs that re-gathers the unit before its
@@ -26,13 +26,28 @@ from .unit import ShardedParamUnit, UnitState
 logger = logging.getLogger(__name__)
 
 
-def select_units(module: nn.Module, min_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
-    """Partition ``module``'s parameters into units: (owning module, parameters) in forward-ish order.
+def _numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also when zero.Init left only an empty placeholder in ``.data``."""
+    info = getattr(p, "_shardspeed_init", None)
+    return info.numel if info is not None else p.numel()
 
-    Each parameter appears once (tied parameters go to the first unit that reaches them).
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but are never called themselves
+
+
+def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    """Partition ``module``'s parameters into units: (owning module, parameters).
+
+    Top-down: a called module whose parameters (those not taken yet) number at most ``max_numel`` becomes
+    one unit with all of them (so a transformer block is one unit, as with FSDP2's per-block wrapping);
+    a larger one is split among its children, and what is left under it (its own parameters and children
+    smaller than ``max_numel / 8``) becomes its unit. Containers (ModuleList/ModuleDict) are never called,
+    so they never own a unit. Each parameter appears once: tied parameters go to the first unit that
+    reaches them. A unit's owner is always a module whose forward runs, which is what gathers it.
     """
     claimed: set = set()
     units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
+    min_child = max(1, max_numel // 8)
 
     def unclaimed(m: nn.Module) -> List[nn.Parameter]:
         out, seen = [], set()
@@ -42,20 +57,28 @@ def select_units(module: nn.Module, min_numel: int) -> List[Tuple[nn.Module, Lis
                 out.append(p)
         return out
 
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            visit(child)
-        if m is module:
-            return
-        params = unclaimed(m)
-        if params and sum(p.numel() for p in params) >= min_numel:
+    def take(m: nn.Module, params: List[nn.Parameter]) -> None:
+        if params:
             claimed.update(id(p) for p in params)
             units.append((m, params))
 
-    visit(module)
-    rest = unclaimed(module)
-    if rest:
-        units.append((module, rest))
+    def assign(m: nn.Module) -> None:
+        params = unclaimed(m)
+        size = sum(_numel(p) for p in params)
+        if not params:
+            return
+        container = isinstance(m, _CONTAINERS)
+        if m is not module and not container and (size <= max_numel or not any(True for _ in m.children())):
+            take(m, params)
+            return
+        for child in m.children():
+            child_size = sum(_numel(p) for p in unclaimed(child))
+            if child_size >= min_child or container or isinstance(child, _CONTAINERS):
+                assign(child)
+        if not container:
+            take(m, unclaimed(m))
+
+    assign(module)
     return units
 
 
@@ -225,18 +248,18 @@ def _flatten_tensors(obj) -> List[torch.Tensor]:
     return []
 
 
-def unit_min_numel(total: int, prefetch_bucket_size: int) -> int:
-    """Size from which a module becomes a unit of its own: about 1/32 of the model (so a transformer's
-    blocks are units), and no more than the prefetch bucket (so the next unit can be prefetched)."""
+def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
+    """Largest unit: the prefetch bucket (so the next unit can be prefetched), and at most a quarter of the
+    model (so even a small model is split and its parameters are never all gathered at once)."""
     cap = int(prefetch_bucket_size) if prefetch_bucket_size and prefetch_bucket_size > 0 else total
-    return max(1, min(cap, total // 32))
+    return max(1, min(cap, total // 4))
 
 
 def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int):
     """Shard ``model``'s parameters into units and hook them. Returns (units, manager)."""
     all_params = list(dict.fromkeys(model.parameters()))
-    total = sum(p.numel() for p in all_params)
-    selected = select_units(model, unit_min_numel(total, zero_cfg.prefetch_bucket_size))
+    total = sum(_numel(p) for p in all_params)
+    selected = select_units(model, unit_max_numel(total, zero_cfg.prefetch_bucket_size))
     units: List[ShardedParamUnit] = []
     owners: List[nn.Module] = []
     for owner, params in selected:
@@ -244,7 +267,8 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         for plist in by_dtype.values():
-            units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units)))
+            units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
+                                          group=collectives.group))
             owners.append(owner)
     manager = ParamManager(
         units, owners, collectives,

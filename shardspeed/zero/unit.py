@@ -82,12 +82,39 @@ class ShardedParamUnit(FlatParamUnit):
     silently reading stale values.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
-        super().__init__(params, world, rank, index, align)
-        self.shard = self.shard.clone()  # own storage: the full buffer is about to go
+    def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1,
+                 group=None):
+        from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
+
+        self._pending = None  # (buffer, CommHandle) of an asynchronous gather in flight
+        if not any(init_shard_of(p) is not None for p in params):
+            super().__init__(params, world, rank, index, align)
+            self.shard = self.shard.clone()  # own storage: the full buffer is about to go
+            self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.release()
+            return
+        # Assemble this rank's chunk one parameter at a time: peak memory is one whole parameter.
+        self.index, self.params, self.rank = index, list(params), rank
+        infos = [init_shard_of(p) for p in self.params]
+        self.shapes = [i.shape if i is not None else p.shape for i, p in zip(infos, self.params)]
+        self.layout = FlatLayout.of([i.numel if i is not None else p.numel() for i, p in zip(infos, self.params)],
+                                    world, align)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.shard = torch.zeros(self.layout.chunk_size, dtype=self.dtype, device=self.device)
+        pieces = {pc.param_index: pc for pc in self.layout.pieces(rank)}
+        for i, (p, info) in enumerate(zip(self.params, infos)):
+            flat = (info.gather_full(group) if info is not None else p.detach()).reshape(-1)
+            pc = pieces.get(i)
+            if pc is not None:
+                self.shard[pc.chunk_start : pc.chunk_start + pc.numel].copy_(flat[pc.param_start : pc.param_end])
+            if info is not None:
+                del p._shardspeed_init
+        self.full = None
+        self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.release()
-        self._pending = None  # CommHandle of an asynchronous gather in flight
+        for p in self.params:
+            p.data = self._placeholder
+        self.state = UnitState.SHARDED
 
     def release(self) -> None:
         if self.state is UnitState.SHARDED:

@@ -1,0 +1,316 @@
+"""Where the offloaded optimizer state lives: host memory, or files streamed through a bounded pool.
+
+Both stores hand out, tile by tile, a :class:`TileState` (fp32 master, exp_avg, exp_avg_sq views of the
+same length) and take it back with :meth:`release`:
+
+- :class:`MemoryStateStore`: state tensors held whole (on the host for ``device: cpu``, on the device for
+  units kept there by ``ratio``); views are handed out directly, release is a no-op.
+- :class:`NvmeStateStore`: three files per rank (master, exp_avg, exp_avg_sq) under ``nvme_path``; a
+  reader thread fills free buffers from a pool of ``buffer_count`` buffers with the next tiles while the
+  caller steps the current one; a writer thread writes a released tile back and returns its buffer to the
+  pool. Host memory for state is therefore exactly ``buffer_count × 3 × largest tile × 4`` bytes, whatever
+  the model size. I/O is ``os.preadv``/``os.pwritev`` (they release the GIL) through the page cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ConfigError, ShardspeedError
+from .tiles import Tile
+
+logger = logging.getLogger("shardspeed")
+
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+_FP32 = 4
+
+
+class TileState(NamedTuple):
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+def _pinned_ok(pin: bool) -> bool:
+    return pin and torch.cuda.is_available()
+
+
+class MemoryStateStore:
+    """Master chunks (given) and Adam moments (allocated here, zero) held in memory per unit."""
+
+    kind = "memory"
+
+    def __init__(self, masters: Dict[int, torch.Tensor], with_moments: bool = True):
+        self.masters = masters
+        self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        if with_moments:
+            for u, m in masters.items():
+                self.moments[u] = (torch.zeros_like(m), torch.zeros_like(m))
+
+    def stream(self, tiles: Sequence[Tile]) -> Iterator[Tuple[Tile, TileState]]:
+        for t in tiles:
+            m, v = self.moments[t.unit]
+            yield t, TileState(self.masters[t.unit][t.lo : t.hi], m[t.lo : t.hi], v[t.lo : t.hi])
+
+    def release(self, tile: Tile, state: TileState, ready: Any = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    def held_bytes(self) -> Dict[str, int]:
+        master = sum(m.numel() * _FP32 for m in self.masters.values())
+        moments = sum(2 * m.numel() * _FP32 for m, _ in self.moments.values())
+        return {"master": master, "optimizer": moments}
+
+    def close(self) -> None:
+        pass
+
+
+def check_nvme_path(path: str, needed_bytes: int) -> str:
+    """Create ``path`` if needed and check it is a writable directory with room for ``needed_bytes``.
+
+    Raises :class:`ConfigError` naming the problem and the fix. Returns the absolute path.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"offload nvme_path {path!r} cannot be created ({e.strerror}); give an existing, "
+                          f"writable directory on a local disk") from e
+    if not os.path.isdir(path):
+        raise ConfigError(f"offload nvme_path {path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"offload nvme_path {path!r} is not writable by this process (uid {os.getuid()}); "
+                          f"fix its permissions or choose another directory")
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise ConfigError(f"offload nvme_path {path!r} has {free / 2**30:.2f} GiB free; the optimizer state "
+                          f"of this rank needs {needed_bytes / 2**30:.2f} GiB: free space or choose another disk")
+    return path
+
+
+def _rw_all(fn, fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
+    view = memoryview(buf.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = fn(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ShardspeedError(f"NVMe offload: short {what} at byte {offset + done} (disk full or file "
+                                  f"truncated?)")
+        done += n
+
+
+class NvmeStateStore:
+    """Optimizer state of the given tiles in files; streamed through ``buffer_count`` host buffers."""
+
+    kind = "nvme"
+
+    def __init__(self, nvme_path: str, tiles: Sequence[Tile], buffer_count: int, pin_memory: bool, rank: int):
+        if buffer_count < 1:
+            raise ConfigError("offload_optimizer.buffer_count must be >= 1 with device \"nvme\" (2 or more "
+                              "lets reading the next tile overlap the step of the current one)")
+        self.tiles = list(tiles)
+        total = sum(t.numel for t in self.tiles)
+        root = check_nvme_path(nvme_path, 3 * total * _FP32)
+        self.dir = tempfile.mkdtemp(prefix=f"shardspeed-optim-rank{rank}-", dir=root)
+        self.fds: Dict[str, int] = {}
+        try:
+            for name in STATE_NAMES:
+                fd = os.open(os.path.join(self.dir, f"{name}.f32"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                self.fds[name] = fd
+                if total:
+                    os.posix_fallocate(fd, 0, total * _FP32)  # fails now (ENOSPC), not mid-training
+        except OSError as e:
+            self._close_files()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise ConfigError(f"offload nvme_path {root!r}: cannot create the state files ({e.strerror}); "
+                              f"need {3 * total * _FP32 / 2**30:.2f} GiB") from e
+        self.tile_elems = max((t.numel for t in self.tiles), default=0)
+        self.buffer_count = buffer_count
+        pin = _pinned_ok(pin_memory)
+        self._buffers = [torch.empty(3, self.tile_elems, dtype=torch.float32, pin_memory=pin)
+                         for _ in range(buffer_count)]
+        self._free: "queue.Queue[torch.Tensor]" = queue.Queue()
+        for b in self._buffers:
+            self._free.put(b)
+        self._owner: Dict[int, torch.Tensor] = {}  # tile index -> buffer it occupies
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardspeed-nvme-write")
+        self._writes: List[Future] = []
+        self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.fds), self.dir, self._writer)
+        logger.info("NVMe optimizer state: %s (%.2f GiB), %d buffers × %d elements", self.dir,
+                    3 * total * _FP32 / 2**30, buffer_count, self.tile_elems)
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes held for streaming: the whole pool (``buffer_count`` × 3 × tile × 4)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def held_bytes(self) -> Dict[str, int]:
+        return {"master": 0, "optimizer": 0, "host_buffers": self.buffer_bytes,
+                "nvme_files": 3 * sum(t.numel for t in self.tiles) * _FP32}
+
+    # ---- raw I/O -------------------------------------------------------------------------------------
+    def _read(self, tile: Tile, buf: torch.Tensor) -> None:
+        for i, name in enumerate(STATE_NAMES):
+            _rw_all(os.preadv, self.fds[name], buf[i, : tile.numel], tile.offset * _FP32, "read")
+
+    def _write(self, tile: Tile, buf: torch.Tensor, names: Sequence[str] = STATE_NAMES) -> None:
+        for i, name in enumerate(STATE_NAMES):
+            if name in names:
+                _rw_all(os.pwritev, self.fds[name], buf[i, : tile.numel], tile.offset * _FP32, "write")
+
+    def initialize(self, tile: Tile, master: torch.Tensor) -> None:
+        """Write a tile's initial master weights and zero moments (synchronously; at start only)."""
+        buf = self._free.get()
+        try:
+            buf[0, : tile.numel].copy_(master)
+            buf[1:, : tile.numel].zero_()
+            self._write(tile, buf)
+        finally:
+            self._free.put(buf)
+
+    def write_master(self, tile: Tile, master: torch.Tensor) -> None:
+        """Overwrite a tile's master weights in the file (moments kept); synchronous."""
+        self.flush()
+        buf = self._free.get()
+        try:
+            buf[0, : tile.numel].copy_(master)
+            self._write(tile, buf, names=("master",))
+        finally:
+            self._free.put(buf)
+
+    def read_tile(self, tile: Tile) -> TileState:
+        """A copy of one tile's state (for checks and checkpoints; not on the training path)."""
+        self.flush()
+        out = torch.empty(3, tile.numel, dtype=torch.float32)
+        self._read(tile, out)
+        return TileState(out[0], out[1], out[2])
+
+    # ---- the stream ------------------------------------------------------------------------------
+    def stream(self, tiles: Sequence[Tile]) -> Iterator[Tuple[Tile, TileState]]:
+        """Yield tiles in order with their state loaded; the next tiles are read while the caller works
+        (as far ahead as free buffers allow). Each yielded state must be :meth:`release`-d."""
+        self.flush()
+        ready: "queue.Queue[Any]" = queue.Queue()
+        stop = threading.Event()
+
+        def next_buffer() -> Optional[torch.Tensor]:
+            while not stop.is_set():
+                try:
+                    return self._free.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            return None
+
+        def reader():
+            try:
+                for t in tiles:
+                    buf = next_buffer()
+                    if buf is None:
+                        return
+                    ready.put((t, buf))  # owned by the consumer from here, even if the read fails
+                    self._read(t, buf)
+                    ready.put(t.index)  # read complete
+            except BaseException as e:  # surfaced in the consumer
+                ready.put(e)
+
+        th = threading.Thread(target=reader, name="shardspeed-nvme-read", daemon=True)
+        th.start()
+        pending: Dict[int, torch.Tensor] = {}
+        try:
+            for _ in range(len(tiles)):
+                t, buf = self._get(ready, pending)
+                pending[t.index] = buf
+                while True:  # wait for this tile's read to complete
+                    item = self._get(ready, pending)
+                    if item == t.index:
+                        break
+                del pending[t.index]
+                self._owner[t.index] = buf
+                n = t.numel
+                yield t, TileState(buf[0, :n], buf[1, :n], buf[2, :n])
+        finally:
+            stop.set()
+            th.join()
+            while True:
+                try:
+                    item = ready.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    pending[item[0].index] = item[1]
+            for buf in pending.values():  # read but never handed out (the consumer stopped early)
+                self._free.put(buf)
+
+    def _get(self, ready: "queue.Queue[Any]", pending: Dict[int, torch.Tensor]) -> Any:
+        item = ready.get()
+        if isinstance(item, BaseException):
+            raise ShardspeedError(f"NVMe offload: reading optimizer state from {self.dir} failed: {item}") from item
+        return item
+
+    def abandon(self) -> None:
+        """Return buffers of tiles handed out but not released (after an error mid-step)."""
+        for buf in self._owner.values():
+            self._free.put(buf)
+        self._owner.clear()
+
+    def release(self, tile: Tile, state: TileState, ready: Any = None) -> None:
+        """Write the tile back (asynchronously) and return its buffer to the pool when written.
+        ``ready``: an event to wait for first (a device copy still reading the buffer)."""
+        buf = self._owner.pop(tile.index)
+
+        def write():
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                self._write(tile, buf)
+            finally:
+                self._free.put(buf)
+
+        self._writes.append(self._writer.submit(write))
+
+    def flush(self) -> None:
+        """Wait for every pending write (a sync point with the disk)."""
+        writes, self._writes = self._writes, []
+        for f in writes:
+            f.result()
+
+    # ---- teardown ------------------------------------------------------------------------------------
+    def _close_files(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+
+    @staticmethod
+    def _cleanup(fds: Dict[str, int], directory: str, writer: ThreadPoolExecutor) -> None:
+        writer.shutdown(wait=True)
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def close(self) -> None:
+        """Flush, close and delete the state files."""
+        try:
+            self.flush()
+        finally:
+            self._finalizer()
