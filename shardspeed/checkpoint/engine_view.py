@@ -54,6 +54,14 @@ class EngineView:
                 self.aliases[name] = first
         self._in_units = {id(prm) for u in self.units for prm in u.params}
 
+    def check_supported(self) -> None:
+        """Offloaded Adam keeps its moments (and, on NVMe, the masters) in a tile store, not in
+        ``optimizer.state``: saving would silently drop them, so refuse until the store is wired in."""
+        if getattr(self.master, "tiled", False) or getattr(self.master, "host_store", None) is not None:
+            raise CheckpointError(
+                "checkpoints with zero_optimization.offload_optimizer are not supported yet (the offloaded "
+                "optimizer state lives in the offload store); save without offload, or use save_16bit_model")
+
     # ---- collectives on Python objects (small; gloo and NCCL both do these) --------------------------
     @property
     def distributed(self) -> bool:

@@ -131,6 +131,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     counters or RNG). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
     """
     view = EngineView(engine)
+    view.check_supported()
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
