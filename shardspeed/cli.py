@@ -1,5 +1,6 @@
-"""The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``; ``autotune`` and
-``consolidate`` are not implemented yet.
+"""The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``, ``consolidate`` (a sharded
+checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`); ``autotune`` is not
+implemented yet.
 
 ``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
 torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
@@ -287,8 +288,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
     p.set_defaults(func=_cmd_estimate)
 
-    for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),
-                       ("consolidate", "merge a sharded checkpoint into one file (not implemented yet)")):
+    from .checkpoint.consolidate import build_parser as _consolidate_parser, run_args as _consolidate_run
+
+    p = sub.add_parser("consolidate", help="write a sharded checkpoint as one fp32 state dict (safetensors)",
+                       description="Export a sharded shardspeed checkpoint as fp32 safetensors, split by size, "
+                                   "with a Hugging Face style index; loads with model.load_state_dict.")
+    _consolidate_parser(p)
+    p.set_defaults(func=_consolidate_run)
+
+    for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),):
         p = sub.add_parser(name, help=text)
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         p.set_defaults(func=_not_implemented(name))

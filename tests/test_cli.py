@@ -145,7 +145,7 @@ def test_env_prints_torch_version(capsys):
     assert "gloo" in out and "cuda available" in out
 
 
-@pytest.mark.parametrize("command", ["autotune", "consolidate"])
+@pytest.mark.parametrize("command", ["autotune"])
 def test_unimplemented_commands_exit_2(command, capsys):
     assert main([command]) == 2
     assert "not implemented yet" in capsys.readouterr().err

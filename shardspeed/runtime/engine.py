@@ -231,6 +231,31 @@ class Engine:
         for prm in self.module.parameters():
             prm.grad = None
 
+    # ---- checkpoints (logic in shardspeed.checkpoint) -------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> str:
+        """Save the full training state, sharded, under ``{save_dir}/{tag}`` (atomic); every rank calls it."""
+        from ..checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``."""
+        from ..checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the weights in the training dtype to ``save_dir/save_filename`` (.bin or .safetensors)."""
+        from ..checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     # ---- reporting -------------------------------------------------------------------------------------
     def _maybe_print(self) -> None:
         every = self._p.steps_per_print

@@ -1,0 +1,273 @@
+"""safetensors files written tensor by tensor, with a CRC-32 per tensor, and read back with checks.
+
+The writer does not build the file in memory (``safetensors.torch.save_file`` does): the header is
+computed from shapes and dtypes alone, then each tensor is copied out in slices of at most
+:data:`WRITE_CHUNK_BYTES` (one device-to-host copy per slice), so the extra memory of a save is one slice.
+The files are plain safetensors: ``safetensors.safe_open`` and any other reader open them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+WRITE_CHUNK_BYTES = 64 << 20
+
+DTYPE_TO_ST: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPE_NAMES: Dict[torch.dtype, str] = {d: str(d).replace("torch.", "") for d in DTYPE_TO_ST}
+NAME_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"cannot checkpoint a tensor of dtype {dtype}: supported are {sorted(DTYPE_NAMES.values())}")
+
+
+def tensor_bytes(t: torch.Tensor):
+    """The raw bytes of a contiguous CPU tensor, as a numpy uint8 array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def crc32_of(t: torch.Tensor) -> int:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return zlib.crc32(tensor_bytes(t.contiguous()))
+
+
+# ---- crash injection (tests) ---------------------------------------------------------------------------
+CRASH_ENV = "SHARDSPEED_CKPT_CRASH"
+
+
+def crash_spec() -> Tuple[Optional[str], Optional[int], Optional[int]]:
+    """``SHARDSPEED_CKPT_CRASH="point[=N][@rank]"`` → (point, N, rank). Test-only: lets a test SIGKILL a
+    saving process at a named point (``bytes=N``: after writing N bytes of its own file)."""
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return None, None, None
+    rank = None
+    if "@" in spec:
+        spec, r = spec.split("@", 1)
+        rank = int(r)
+    n = None
+    if "=" in spec:
+        spec, v = spec.split("=", 1)
+        n = int(v)
+    return spec, n, rank
+
+
+def maybe_crash(point: str, rank: int) -> None:
+    name, _, who = crash_spec()
+    if name == point and (who is None or who == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- writing -------------------------------------------------------------------------------------------
+class LazyTensor:
+    """A tensor described by shape and dtype, produced by ``make()`` only when its bytes are written (so a
+    file of many tensors needs one of them in memory at a time)."""
+
+    def __init__(self, shape, dtype: torch.dtype, make):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self._make = make
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        t = self._make()
+        if t.dtype != self.dtype or t.shape != self.shape:
+            raise CheckpointError(f"internal error: lazy tensor made {t.dtype}{list(t.shape)}, "
+                                  f"declared {self.dtype}{list(self.shape)}")
+        return t
+
+
+@dataclass
+class WrittenFile:
+    bytes: int
+    crc32: int  # of the whole file
+    tensor_crc32: Dict[str, int] = field(default_factory=dict)
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: str, items: Sequence[Tuple[str, torch.Tensor]], metadata: Optional[Dict[str, str]] = None,
+                      rank: int = 0) -> WrittenFile:
+    """Write ``items`` (key, tensor) to ``path`` as safetensors, streaming, then fsync. Tensors are stored
+    with their own shape and dtype."""
+    header: Dict[str, object] = {}
+    off = 0
+    for key, t in items:
+        if key in header:
+            raise CheckpointError(f"internal error: tensor key {key!r} written twice to {path}")
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPE_TO_ST[t.dtype] if t.dtype in DTYPE_TO_ST else dtype_name(t.dtype),
+                       "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    point, kill_at, who = crash_spec()
+    kill_at = kill_at if point == "bytes" and (who is None or who == rank) else None
+    written = 0
+    crc = 0
+    out = WrittenFile(0, 0)
+
+    with open(path, "wb") as f:
+        def emit(buf) -> None:
+            nonlocal written, crc
+            if kill_at is not None and written + len(buf) >= kill_at:
+                f.write(memoryview(buf)[: max(kill_at - written, 0)])
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            f.write(buf)
+            crc = zlib.crc32(buf, crc)
+            written += len(buf)
+
+        emit(struct.pack("<Q", len(hb)))
+        emit(hb)
+        for key, t in items:
+            if isinstance(t, LazyTensor):
+                t = t.materialize()
+            flat = t.detach().reshape(-1)
+            step = max(WRITE_CHUNK_BYTES // max(flat.element_size(), 1), 1)
+            tcrc = 0
+            for i in range(0, flat.numel(), step):
+                part = flat[i : i + step]
+                if part.device.type != "cpu":
+                    part = part.cpu()  # one slice on the host at a time; a device sync point
+                buf = tensor_bytes(part.contiguous())
+                tcrc = zlib.crc32(buf, tcrc)
+                emit(buf)
+            out.tensor_crc32[key] = tcrc
+        f.flush()
+        os.fsync(f.fileno())
+    out.bytes, out.crc32 = written, crc
+    return out
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write a small file via a temporary name, fsync, ``os.replace``, fsync the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_file_synced(path: str, data: bytes) -> int:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return zlib.crc32(data)
+
+
+# ---- reading -------------------------------------------------------------------------------------------
+ST_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
+class ShardReader:
+    """Read whole tensors from the safetensors files of one checkpoint, checking their CRC.
+
+    Reads with ``readinto`` into a fresh tensor rather than through a memory map: the bytes land once in
+    memory this process owns, and the file's pages do not count against the process while it loads.
+    """
+
+    def __init__(self, root: str, verify: bool = True):
+        self.root = root
+        self.verify = verify
+        self._headers: Dict[str, Tuple[int, dict]] = {}
+
+    def _header(self, file: str) -> Tuple[int, dict]:
+        h = self._headers.get(file)
+        if h is None:
+            path = os.path.join(self.root, file)
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(8)
+                    if len(raw) < 8:
+                        raise ValueError("shorter than its 8-byte header length")
+                    n = struct.unpack("<Q", raw)[0]
+                    text = f.read(n)
+                    if len(text) < n:
+                        raise ValueError("header cut short")
+                    header = json.loads(text)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt")
+            h = (8 + n, header)
+            self._headers[file] = h
+        return h
+
+    def read(self, file: str, key: str, crc: Optional[int] = None) -> torch.Tensor:
+        path = os.path.join(self.root, file)
+        base, header = self._header(file)
+        info = header.get(key)
+        if info is None:
+            raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
+        lo, hi = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=ST_TO_DTYPE[info["dtype"]])
+        buf = tensor_bytes(t) if t.numel() else None
+        if buf is not None and len(buf) != hi - lo:
+            raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
+        if buf is not None:
+            with open(path, "rb") as f:
+                f.seek(base + lo)
+                got = f.readinto(memoryview(buf))
+            if got != hi - lo:
+                raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
+        if self.verify and crc is not None:
+            got_crc = zlib.crc32(buf) if buf is not None else 0
+            if got_crc != crc:
+                raise CheckpointError(
+                    f"checkpoint file {path}: tensor {key!r} fails its checksum "
+                    f"(crc32 {got_crc:#010x}, expected {crc:#010x}); the file is corrupt"
+                )
+        return t
+
+    def close(self) -> None:
+        self._headers.clear()
+
+
+def file_crc32(path: str, chunk: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return crc
+            crc = zlib.crc32(b, crc)

@@ -1,0 +1,181 @@
+"""``load_checkpoint``: each rank reads the ranges it owns *now* (any world size, any ZeRO stage) from
+whichever files hold them, so resharding needs no conversion step."""
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from . import rng
+from .commit import read_latest, resolve
+from .engine_view import EngineView, OwnedPiece
+from .format import ShardReader
+from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, plan_reads, rank_file, read_range
+
+logger = logging.getLogger("shardspeed")
+
+
+def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> set:
+    """Names of the current model that the checkpoint holds; raises on a mismatch when ``strict``."""
+    current: Dict[str, Tuple[int, ...]] = {}
+    for name, shape, _ in view.unit_params():
+        current[name] = tuple(shape)
+    for name, t in view.other_params() + view.buffers():
+        current[name] = tuple(t.shape)
+    saved = set(meta.tensors)
+    missing = sorted(set(current) - saved)
+    unexpected = sorted(saved - set(current))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}; pass load_module_strict=False "
+            f"to load what matches"
+        )
+    for name in sorted(set(current) & saved):
+        if tuple(meta.tensors[name].shape) != current[name]:
+            raise CheckpointError(f"{name!r} has shape {list(current[name])} in the model but "
+                                  f"{meta.tensors[name].shape} in the checkpoint")
+    return set(current) & saved
+
+
+@torch.no_grad()
+def _load_weights(view: EngineView, index: EntryIndex, reader: ShardReader, present: set) -> None:
+    for pieces in view.pieces():
+        for pc in pieces:
+            if pc.name in present:
+                read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master)
+    for frozen in view.frozen_pieces():
+        for name, start, end, shard_view in frozen:
+            if name in present:
+                read_range(reader, index, name, WEIGHT, start, end, out=shard_view)
+    for name, t in view.other_params() + view.buffers():
+        if name in present:
+            flat = read_range(reader, index, name, WEIGHT, 0, t.numel(), dtype=t.dtype)
+            t.data.copy_(flat.view(t.shape))
+
+
+def _piece_state(pc: OwnedPiece, index: EntryIndex, reader: ShardReader) -> Dict[str, Any]:
+    state: Dict[str, Any] = {}
+    for sk in index.states_of(pc.name):
+        entries = index.overlapping(pc.name, sk, pc.start, pc.end)
+        if not entries:
+            continue
+        if entries[0].elementwise:
+            first = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
+            out = torch.empty(pc.end - pc.start, dtype=first.dtype)
+            for e, src, dst, n in plan_reads(entries, pc.start, pc.end):
+                t = first if e is entries[0] else reader.read(e.file, e.key, e.crc32)
+                out[dst : dst + n].copy_(t.reshape(-1)[src : src + n])
+            state[sk] = out.view(pc.master.shape)
+        elif entries[0].file:
+            state[sk] = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
+        else:
+            state[sk] = entries[0].value
+    return state
+
+
+def _restore_hyper(current: Dict[str, Any], saved: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    out = {k: v for k, v in current.items() if k != "params"}
+    for k, v in (saved or {}).items():
+        if k not in out:
+            continue
+        cur = out[k]
+        if torch.is_tensor(cur):
+            out[k] = torch.as_tensor(v, dtype=cur.dtype, device=cur.device)
+        elif isinstance(cur, tuple) and isinstance(v, list):
+            out[k] = tuple(v)
+        elif isinstance(cur, (bool, int, float)) or cur is None:
+            out[k] = v
+    return out
+
+
+def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader,
+                    present: set) -> None:
+    saved = meta.optimizer or {}
+    now = type(view.optimizer).__name__
+    if saved.get("class") and saved["class"] != now:
+        raise CheckpointError(f"the checkpoint's optimizer is {saved['class']} but the engine's is {now}; pass "
+                              f"load_optimizer_states=False to start the optimizer afresh")
+    piece_of = {id(pc.master): pc for pieces in view.pieces() for pc in pieces}
+    opt = view.optimizer
+    opt.state = defaultdict(dict)  # drop the current state first: peak memory stays one copy of it
+    state: Dict[int, Dict[str, Any]] = {}
+    groups: List[Dict[str, Any]] = []
+    idx = 0
+    saved_groups = saved.get("param_groups", {})
+    for gi, g in zip(view.master.group_indices, opt.param_groups):
+        ids = []
+        for t in g["params"]:
+            pc = piece_of[id(t)]
+            if pc.name in present:
+                st = _piece_state(pc, index, reader)
+                if st:
+                    state[idx] = st
+            ids.append(idx)
+            idx += 1
+        groups.append(dict(_restore_hyper(g, saved_groups.get(str(gi))), params=ids))
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, verify: bool = True) -> Tuple[Optional[str], Optional[dict]]:
+    """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
+
+    Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
+    was given. ``load_module_only`` loads the weights alone (not the optimizer, schedule, loss scaler,
+    counters or RNG). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
+    """
+    view = EngineView(engine)
+    view.check_supported()
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            if view.rank == 0:
+                logger.warning("no 'latest' file in %s: nothing loaded", load_dir)
+            return None, None
+    path = resolve(load_dir, str(tag))
+    meta = CheckpointMetadata.read(path)
+    meta.check_files(path)
+    reader = ShardReader(path, verify=verify)
+    index = EntryIndex(meta.entries)
+    err = None
+    try:
+        present = _check_names(view, meta, load_module_strict)
+        _load_weights(view, index, reader, present)
+        if load_optimizer_states and not load_module_only:
+            _load_optimizer(view, meta, index, reader, present)
+    except CheckpointError as exc:
+        err = str(exc)
+    view.agree(err)  # every rank fails alike before the collective below
+    view.write_back_masters()
+
+    common = torch.load(os.path.join(path, COMMON_FILE), map_location="cpu", weights_only=False)
+    p = view.parts
+    if not load_module_only:
+        if load_lr_scheduler_states and p.lr_scheduler is not None and common.get("lr_scheduler") is not None:
+            p.lr_scheduler.load_state_dict(common["lr_scheduler"])
+        if common.get("loss_scaler") is not None and hasattr(p.loss_scaler, "load_state_dict"):
+            p.loss_scaler.load_state_dict(common["loss_scaler"])
+        view.set_counters(common.get("counters", {}))
+        view.set_dataloader_state(common.get("dataloader", {}))
+        _restore_rng(view, meta, reader)
+    reader.close()
+    if view.rank == 0:
+        logger.info("loaded checkpoint %s (saved at world %d, stage %d; now world %d, stage %d)", path,
+                    meta.world_size, meta.zero_stage, view.world, view.zero_stage)
+    return path, common.get("client_state", {})
+
+
+def _restore_rng(view: EngineView, meta: CheckpointMetadata, reader: ShardReader) -> None:
+    """This rank's RNG states as saved by the rank of the same number (if the old world had one)."""
+    rec = meta.rng.get(str(view.rank))
+    if rec is None:
+        return
+    file = rank_file(view.rank)
+    tensors = {k: reader.read(file, k, crc) for k, crc in rec.get("tensors", {}).items()}
+    rng.restore(tensors, rec.get("py", {}))

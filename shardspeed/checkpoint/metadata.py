@@ -1,0 +1,203 @@
+"""The checkpoint's description (``metadata.json``) and the pure arithmetic of ranges over it.
+
+Every stored tensor is an *entry*: a flat range ``[start, end)`` of one logical tensor (a parameter,
+buffer, or one optimizer state of a parameter), held under ``key`` in ``file``. A loader at any world size
+and ZeRO stage asks for the ranges it owns now and reassembles them from whichever entries overlap them:
+this is what makes resharding need no conversion step.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from .format import ShardReader
+
+FORMAT = "shardspeed.checkpoint"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+WEIGHT = ""  # the state name of a parameter's (or buffer's) value; optimizer states use their own key
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+@dataclass
+class TensorInfo:
+    shape: List[int]
+    dtype: str  # of the stored weights (fp32 for trainable parameters: their master copy)
+    kind: str  # "param" (trained, sharded), "frozen" (parameter outside the optimizer), "buffer"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+
+@dataclass
+class Entry:
+    tensor: str
+    state: str  # WEIGHT or an optimizer state key ("exp_avg", "step", ...)
+    start: int
+    end: int
+    file: str
+    key: str
+    crc32: Optional[int] = None
+    elementwise: bool = True  # False: a per-parameter value (e.g. Adam's step) valid for the whole range
+    value: Any = None  # a non-tensor state value, stored here instead of in a file (file == "")
+
+    def to_json(self) -> list:
+        return [self.tensor, self.state, self.start, self.end, self.file, self.key, self.crc32,
+                int(self.elementwise), self.value]
+
+    @classmethod
+    def from_json(cls, x: list) -> "Entry":
+        return cls(x[0], x[1], int(x[2]), int(x[3]), x[4], x[5], x[6], bool(x[7]), x[8])
+
+
+@dataclass
+class FileInfo:
+    rank: int
+    bytes: int
+    crc32: int
+
+
+@dataclass
+class CheckpointMetadata:
+    tag: str
+    world_size: int
+    zero_stage: int
+    train_dtype: str
+    tensors: Dict[str, TensorInfo]
+    aliases: Dict[str, str]  # tied parameter name -> the name it is stored under
+    entries: List[Entry]
+    files: Dict[str, FileInfo]
+    optimizer: Optional[Dict[str, Any]] = None  # {"class": name, "param_groups": {group index: hyper}}
+    rng: Dict[str, Any] = field(default_factory=dict)  # rank -> python/numpy RNG states (torch's are tensors)
+    format: str = FORMAT
+    version: int = VERSION
+
+    # ---- (de)serialisation ----
+    def to_json(self) -> str:
+        d = {
+            "format": self.format, "version": self.version, "tag": self.tag, "world_size": self.world_size,
+            "zero_stage": self.zero_stage, "train_dtype": self.train_dtype,
+            "tensors": {k: asdict(v) for k, v in self.tensors.items()}, "aliases": self.aliases,
+            "files": {k: asdict(v) for k, v in self.files.items()}, "optimizer": self.optimizer, "rng": self.rng,
+            "entries": [e.to_json() for e in self.entries],
+        }
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "") -> "CheckpointMetadata":
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: metadata is not valid JSON ({exc}); the file is truncated or corrupt")
+        if d.get("format") != FORMAT:
+            raise CheckpointError(f"{where} is not a shardspeed checkpoint (format {d.get('format')!r})")
+        if int(d.get("version", 0)) > VERSION:
+            raise CheckpointError(f"{where} has format version {d['version']}; this shardspeed reads up to {VERSION}: "
+                                  f"upgrade shardspeed")
+        return cls(
+            tag=d["tag"], world_size=int(d["world_size"]), zero_stage=int(d["zero_stage"]), train_dtype=d["train_dtype"],
+            tensors={k: TensorInfo(**v) for k, v in d["tensors"].items()}, aliases=dict(d.get("aliases", {})),
+            entries=[Entry.from_json(e) for e in d["entries"]],
+            files={k: FileInfo(**v) for k, v in d["files"].items()}, optimizer=d.get("optimizer"),
+            rng=d.get("rng", {}), format=d["format"], version=int(d["version"]),
+        )
+
+    @classmethod
+    def read(cls, ckpt_dir: str) -> "CheckpointMetadata":
+        path = os.path.join(ckpt_dir, METADATA_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete shardspeed checkpoint")
+        with open(path, "r") as f:
+            return cls.from_json(f.read(), path)
+
+    def check_files(self, ckpt_dir: str) -> None:
+        """Every file exists and has the size recorded at save time (cheap: one stat per file)."""
+        for name, info in sorted(self.files.items()):
+            path = os.path.join(ckpt_dir, name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file {path} (written by rank {info.rank}) is missing")
+            size = os.path.getsize(path)
+            if size != info.bytes:
+                raise CheckpointError(
+                    f"checkpoint file {path} (written by rank {info.rank}) has {size} bytes, expected {info.bytes}: "
+                    f"it is truncated or was overwritten"
+                )
+
+
+class EntryIndex:
+    """Entries grouped by (tensor, state) and sorted by start, for range look-ups."""
+
+    def __init__(self, entries: List[Entry]):
+        self._by: Dict[Tuple[str, str], List[Entry]] = {}
+        for e in entries:
+            self._by.setdefault((e.tensor, e.state), []).append(e)
+        self._starts: Dict[Tuple[str, str], List[int]] = {}
+        for k, lst in self._by.items():
+            lst.sort(key=lambda e: e.start)
+            self._starts[k] = [e.start for e in lst]
+
+    def states_of(self, tensor: str) -> List[str]:
+        return sorted(s for (t, s) in self._by if t == tensor and s != WEIGHT)
+
+    def has(self, tensor: str, state: str = WEIGHT) -> bool:
+        return (tensor, state) in self._by
+
+    def overlapping(self, tensor: str, state: str, start: int, end: int) -> List[Entry]:
+        lst = self._by.get((tensor, state), [])
+        i = max(bisect.bisect_right(self._starts.get((tensor, state), []), start) - 1, 0)
+        out = []
+        for e in lst[i:]:
+            if e.start >= end:
+                break
+            if e.end > start or (e.start == e.end == start):
+                out.append(e)
+        return out
+
+
+def plan_reads(entries: List[Entry], start: int, end: int) -> List[Tuple[Entry, int, int, int]]:
+    """For a wanted range, (entry, offset in entry, offset in output, length) of each overlap; raises if the
+    entries leave a hole. Pure arithmetic."""
+    out = []
+    covered = start
+    for e in entries:
+        lo, hi = max(e.start, start), min(e.end, end)
+        if hi <= lo:
+            continue
+        if lo > covered:
+            break
+        out.append((e, lo - e.start, lo - start, hi - lo))
+        covered = max(covered, hi)
+    if covered < end:
+        raise CheckpointError(f"elements [{covered}, {end}) of this range are in no checkpoint file")
+    return out
+
+
+def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, start: int, end: int,
+               out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Elements ``[start, end)`` of the flattened ``tensor`` (or its optimizer ``state``), assembled from the
+    files that hold them. Reads each overlapping entry once (bounded by one saved piece), verifying its CRC."""
+    entries = index.overlapping(tensor, state, start, end)
+    if out is None:
+        out = torch.empty(end - start, dtype=dtype or torch.float32)
+    try:
+        plan = plan_reads(entries, start, end)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}")
+    for e, src_off, dst_off, n in plan:
+        t = reader.read(e.file, e.key, e.crc32).reshape(-1)
+        out[dst_off : dst_off + n].copy_(t[src_off : src_off + n])
+    return out

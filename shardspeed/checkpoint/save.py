@@ -1,0 +1,191 @@
+"""``save_checkpoint``: every rank streams what it owns into its own safetensors file; rank 0 describes the
+whole in ``metadata.json`` and commits the directory atomically (see :mod:`.commit`)."""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+import zlib
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from . import rng
+from .commit import commit, new_temp_dir, remove_stale
+from .engine_view import EngineView
+from .format import dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
+from .metadata import (COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo,
+                       rank_file)
+
+logger = logging.getLogger("shardspeed")
+
+
+def _jsonable(v: Any) -> Any:
+    if torch.is_tensor(v):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    return repr(v)
+
+
+def group_hyper(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: _jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[Entry], Dict[int, dict]]:
+    """This rank's tensors (key, tensor) and the entries describing them (CRCs filled in after writing)."""
+    file = rank_file(view.rank)
+    items: List[Tuple[str, torch.Tensor]] = []
+    entries: List[Entry] = []
+    groups: Dict[int, dict] = {}
+    opt_state = view.optimizer.state
+    for gi, g in zip(view.master.group_indices, view.optimizer.param_groups):
+        groups[gi] = group_hyper(g)
+    for unit, pieces in zip(view.units, view.pieces()):
+        if not view.writes_unit(unit):
+            continue
+        for pc in pieces:
+            key = f"w/{pc.name}/{pc.start}"
+            items.append((key, pc.master))
+            entries.append(Entry(pc.name, WEIGHT, pc.start, pc.end, file, key))
+            for sk, sv in opt_state.get(pc.master, {}).items():
+                skey = f"o/{sk}/{pc.name}/{pc.start}"
+                if torch.is_tensor(sv):
+                    elementwise = sv.numel() == pc.master.numel() and sv.dim() >= 1
+                    items.append((skey, sv))
+                    entries.append(Entry(pc.name, str(sk), pc.start, pc.end, file, skey, elementwise=elementwise))
+                else:
+                    entries.append(Entry(pc.name, str(sk), pc.start, pc.end, "", "", elementwise=False,
+                                         value=_jsonable(sv)))
+    for unit, frozen in zip(view.units, view.frozen_pieces()):
+        if not view.writes_unit(unit):
+            continue
+        for name, start, end, t in frozen:
+            key = f"w/{name}/{start}"
+            items.append((key, t))
+            entries.append(Entry(name, WEIGHT, start, end, file, key))
+    if view.rank == 0:
+        for name, t in view.other_params() + view.buffers():
+            key = f"w/{name}/0"
+            items.append((key, t.detach()))
+            entries.append(Entry(name, WEIGHT, 0, t.numel(), file, key))
+    return items, entries, groups
+
+
+def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
+    tensors: Dict[str, TensorInfo] = {}
+    for name, shape, trainable in view.unit_params():
+        tensors[name] = TensorInfo(list(shape), "float32", "param") if trainable else \
+            TensorInfo(list(shape), dtype_name(view.train_dtype), "frozen")
+    for name, prm in view.other_params():
+        tensors[name] = TensorInfo(list(prm.shape), dtype_name(prm.dtype), "frozen")
+    for name, buf in view.buffers():
+        tensors[name] = TensorInfo(list(buf.shape), dtype_name(buf.dtype), "buffer")
+    return tensors
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True) -> str:
+    """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
+    t0 = time.perf_counter()
+    view = EngineView(engine)
+    view.check_supported()
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")
+    save_dir = os.path.abspath(save_dir)
+
+    # 1. rank 0 prepares the temporary directory; every rank learns its name (and that tags agree)
+    prep: Tuple[Optional[str], Optional[str], str] = (None, None, tag)
+    if view.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            remove_stale(save_dir)
+            tmp = new_temp_dir(save_dir, tag)
+            os.makedirs(tmp)
+            prep = (tmp, None, tag)
+        except OSError as exc:
+            prep = (None, f"cannot create a checkpoint directory in {save_dir}: {exc}", tag)
+    tmp, err, tag0 = view.broadcast_object(prep)
+    if err is None and tag0 != tag:
+        err = f"ranks disagree on the checkpoint tag (rank 0: {tag0!r}, rank {view.rank}: {tag!r}); pass the same tag"
+    view.agree(err)
+
+    # 2. every rank streams its own file
+    record: Dict[str, Any] = {"rank": view.rank}
+    try:
+        items, entries, groups = _rank_items(view)
+        rng_tensors, rng_py = rng.capture()
+        items += rng_tensors
+        written = write_safetensors(os.path.join(tmp, rank_file(view.rank)), items,
+                                    metadata={"format": "pt", "shardspeed_rank": str(view.rank)}, rank=view.rank)
+        for e in entries:
+            if e.file:
+                e.crc32 = written.tensor_crc32[e.key]
+        record.update(file=rank_file(view.rank), bytes=written.bytes, crc32=written.crc32,
+                      entries=[e.to_json() for e in entries], groups=groups,
+                      rng={"py": rng_py, "tensors": {k: written.tensor_crc32[k] for k, _ in rng_tensors}})
+        del items
+    except Exception as exc:  # report and let every rank fail together rather than hang
+        record["error"] = f"rank {view.rank} could not write its checkpoint file: {type(exc).__name__}: {exc}"
+    maybe_crash("after_files", view.rank)
+    records = view.all_gather_object(record)
+    view.agree(next((r["error"] for r in records if r.get("error")), None))
+
+    # 3. rank 0: common state, then metadata.json (its presence marks the directory complete)
+    err = None
+    if view.rank == 0:
+        try:
+            _write_rank0(view, engine, tmp, tag, records, client_state)
+        except Exception as exc:
+            err = f"rank 0 could not write the checkpoint metadata: {type(exc).__name__}: {exc}"
+    maybe_crash("after_metadata", view.rank)
+    view.agree(err)  # doubles as the barrier: every file is durable before the rename
+
+    # 4. rank 0 commits; the others wait so that the checkpoint exists when save_checkpoint returns
+    final = os.path.join(save_dir, tag)
+    err = None
+    if view.rank == 0:
+        try:
+            commit(save_dir, tmp, tag, save_latest)
+        except OSError as exc:
+            err = f"could not commit checkpoint {tmp} as {final}: {exc}"
+    view.agree(err)
+    if view.rank == 0:
+        total = sum(r["bytes"] for r in records)
+        logger.info("saved checkpoint %s (%.1f MB in %d files) in %.2fs", final, total / 2**20, len(records) + 2,
+                    time.perf_counter() - t0)
+    return final
+
+
+def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dict], client_state) -> None:
+    p = view.parts
+    common = {
+        "client_state": dict(client_state or {}),
+        "lr_scheduler": p.lr_scheduler.state_dict() if p.lr_scheduler is not None else None,
+        "loss_scaler": p.loss_scaler.state_dict() if hasattr(p.loss_scaler, "state_dict") else None,
+        "counters": view.counters(),
+        "dataloader": view.dataloader_state(),
+    }
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    data = buf.getvalue()
+    files = {r["file"]: FileInfo(r["rank"], r["bytes"], r["crc32"]) for r in records}
+    files[COMMON_FILE] = FileInfo(0, len(data), write_file_synced(os.path.join(tmp, COMMON_FILE), data))
+    groups: Dict[str, dict] = {}
+    for r in records:
+        for gi, hyper in r["groups"].items():
+            groups.setdefault(str(gi), hyper)
+    meta = CheckpointMetadata(
+        tag=tag, world_size=view.world, zero_stage=view.zero_stage, train_dtype=dtype_name(view.train_dtype),
+        tensors=_tensor_table(view), aliases=view.aliases,
+        entries=[Entry.from_json(e) for r in records for e in r["entries"]], files=files,
+        optimizer={"class": type(view.optimizer).__name__, "param_groups": groups},
+        rng={str(r["rank"]): r["rng"] for r in records},
+    )
+    write_file_synced(os.path.join(tmp, METADATA_FILE), meta.to_json().encode())
+    fsync_dir(tmp)
