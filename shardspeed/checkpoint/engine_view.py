@@ -161,12 +161,8 @@ class EngineView:
         return out
 
     def write_back_masters(self) -> None:
-        """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step.
-
-        Wanted in zero/master.py as a public method (``MasterWeights.sync_params_from_masters()``); the
-        private ``_write_back`` does exactly this today.
-        """
-        self.master._write_back()
+        """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step."""
+        self.master.sync_params_from_masters()
         manager = self.parts.param_manager
         if manager is not None:  # stage 3: drop gathered copies (persistent ones too); they are stale now
             manager.after_step()

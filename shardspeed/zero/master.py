@@ -119,10 +119,10 @@ class MasterWeights:
         for views in self.piece_tensors:
             for view in views:
                 view.grad = None
-        self._write_back()
+        self.sync_params_from_masters()
         return StepResult(False, norm)
 
-    def _write_back(self) -> None:
+    def sync_params_from_masters(self) -> None:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
         for unit, master, pieces in zip(self.units, self.masters, self.trainable_pieces):
             if master is None or master.data_ptr() == unit.shard.data_ptr():
