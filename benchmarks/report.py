@@ -57,14 +57,16 @@ def add_ratios(rows: Dict[str, dict]) -> None:
         p = rows.get(peer)
         if not p or p.get("status") != "ok" or not r.get("block_medians") or not p.get("block_medians"):
             return None
-        return statistics.median(a / b for a, b in zip(r["block_medians"], p["block_medians"]))
+        return [a / b for a, b in zip(r["block_medians"], p["block_medians"])]
 
     for s, r in rows.items():
         if r.get("status") != "ok":
             continue
         ds = peer_of(s)
         for peer, key in (("ddp", "vs_ddp"), ("fsdp2", "vs_fsdp2"), (ds, "vs_deepspeed")):
-            r[key] = paired(r, peer) if peer else None
+            per_round = paired(r, peer) if peer else None
+            r[key] = statistics.median(per_round) if per_round else None
+            r[key + "_rounds"] = per_round  # the spread: min..max of the per-round ratios
             r[key + "_of_medians"] = r["median_step_s"] / t(peer) if peer and t(peer) else None
         r["mem_vs_deepspeed"] = r["peak_rss_delta_mb"] / m(ds) if ds and m(ds) else None
         r["mem_vs_fsdp2"] = r["peak_rss_delta_mb"] / m("fsdp2") if m("fsdp2") else None
@@ -138,7 +140,19 @@ def plots(tag: str, all_rows: Dict[str, Dict[str, dict]]) -> List[str]:
     return out
 
 
-def markdown_table(rows: Dict[str, dict]) -> str:
+def _spread(r: dict, key: str) -> str:
+    v, rounds = r.get(key), r.get(key + "_rounds")
+    if v is None:
+        return "–"
+    if not rounds or len(rounds) < 2:
+        return f"{v:.2f}×"
+    return f"{v:.2f}× ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
+def markdown_table(rows: Dict[str, dict], spread: bool = False) -> str:
+    if spread:
+        return markdown_ratio_table(rows)
+
     head = ("| system | step ms (median) | tokens/s | vs DDP | vs FSDP2 | vs DeepSpeed same stage | peak RSS Δ MiB "
             "| mem vs FSDP2 | comm MB/step (paper) | final loss |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
@@ -153,3 +167,37 @@ def markdown_table(rows: Dict[str, dict]) -> str:
             f"| {r['peak_rss_delta_mb']:.0f} | {f(r.get('mem_vs_fsdp2'))}× "
             f"| {r['comm_paper_bytes_per_step'] / 1e6:.1f} | {r['final_loss']:.5f} |")
     return "\n".join(lines)
+
+
+def markdown_ratio_table(rows: Dict[str, dict]) -> str:
+    """Paired ratios with their spread over rounds (median (min-max) of per-round ratios)."""
+    head = ("| system | vs DDP | vs FSDP2 | vs DeepSpeed same stage | rounds | peak RSS Δ MiB | mem vs FSDP2 "
+            "| mem vs DeepSpeed | comm MB/step (paper) | final loss |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows.values():
+        if r.get("status") != "ok":
+            lines.append(f"| {r['system']} | {r.get('status')}: {r.get('message', '')} | | | | | | | | |")
+            continue
+        f = lambda v: f"{v:.2f}×" if v is not None else "–"  # noqa: E731
+        lines.append(
+            f"| {r['system']} | {_spread(r, 'vs_ddp')} | {_spread(r, 'vs_fsdp2')} | {_spread(r, 'vs_deepspeed')} "
+            f"| {len(r.get('block_medians') or [])} | {r['peak_rss_delta_mb']:.0f} | {f(r.get('mem_vs_fsdp2'))} "
+            f"| {f(r.get('mem_vs_deepspeed'))} | {r['comm_paper_bytes_per_step'] / 1e6:.1f} | {r['final_loss']:.5f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Re-print a results file's tables with the paired ratios and their spread over rounds:
+    ``python -m benchmarks.report benchmarks/results/suite.json`` (ratios as computed inside each wave)."""
+    import sys
+
+    path = (argv or sys.argv[1:])[0]
+    with open(path) as f:
+        data = json.load(f)
+    for model, rows in data["results"].items():
+        print(f"### {model}\n" + markdown_ratio_table(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,6 +63,7 @@ def main(argv=None) -> int:
                          world=args.world, warmup=warmup, blocks=blocks, steps_per_block=steps)
         all_rows[model] = rows
         print(markdown_table(rows))
+        print(markdown_table(rows, spread=True))
         write(tag, all_rows, dict(meta, partial=True))  # keep what is done if a later model fails
     meta["wall_s"] = time.time() - t0
     for p in write(tag, all_rows, meta):
