@@ -1,7 +1,7 @@
 """Issue 3's measurements: per-rank memory of ZeRO stages 0-3 against the paper's formulas, step time
 against DDP and FSDP2, and bytes per step against theory, on a ~50M-parameter GPT with AdamW, 2 ranks.
 
-    python benchmarks/bench_zero.py [--model gpt-50m] [--dtypes fp32,bf16] [--max-alive 4]
+    python benchmarks/bench_zero.py [--model gpt-50m] [--dtypes fp32,bf16] [--max-alive 6]   # ~3 min per dtype
 
 Memory is shown three ways per rank: shardspeed's report (bytes of the tensors it holds after a step,
 ``engine.memory_breakdown()``), the ZeRO formula for the same Ψ, and the process's peak RSS over its
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-50m", choices=sorted(MODELS))
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--max-alive", type=int, default=4)
+    ap.add_argument("--max-alive", type=int, default=6, help="systems alive at once: 6 = one wave per dtype")
     ap.add_argument("--stages", default="0,1,2,3")
     args = ap.parse_args(argv)
     warmup, blocks, steps = MODELS[args.model].get("timing", (1, 2, 2))
