@@ -16,7 +16,7 @@ steps after two warm-up steps and reports a breakdown in milliseconds per step:
 
 Times are inclusive (a label's time contains the labels it calls) and are CPU time on rank 0's main
 thread; gloo runs its collectives on its own threads, which compete for the same 2 cores. Writes
-``benchmarks/results/profile-<model>.{json,md}`` and the raw tables ``profile-<model>-<system>.txt``.
+``benchmarks/results/profile-<model><tag>.{json,md}`` and the raw tables ``profile-<model>-<system>.txt``.
 """
 from __future__ import annotations
 
@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tag", default="", help="suffix of the combined files: profile-<model><tag>.{md,json}")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
         with open(f"{prefix}-{system}.json") as f:
             brs.append(json.load(f))
     md = breakdown_md(brs)
+    prefix += args.tag
     print(md)
     with open(prefix + ".md", "w") as f:
         f.write(f"`python benchmarks/profile_step.py --systems {args.systems} --model {args.model} "
