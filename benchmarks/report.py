@@ -33,7 +33,14 @@ def machine() -> Dict[str, str]:
                                 cwd=os.path.dirname(RESULTS)).stdout.strip()
     except Exception:
         commit = ""
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "torch": torch.__version__,
+    import time
+
+    try:
+        load = "%.1f %.1f %.1f" % os.getloadavg()
+    except OSError:
+        load = ""
+    return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_at_start": load,
+            "cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": ds, "shardspeed_commit": commit, "os": platform.platform()}
 
 
