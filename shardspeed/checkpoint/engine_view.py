@@ -181,15 +181,23 @@ class EngineView:
         e.skipped_steps = int(c.get("skipped_steps", 0))
 
     def dataloader_state(self) -> Dict[str, Any]:
+        """The engine's loader: epoch and global sample position when it is resumable (the loader built by
+        ``initialize(training_data=...)``), else the sampler's epoch alone."""
         dl = self.engine.training_dataloader
-        sampler = getattr(dl, "sampler", None)
         state: Dict[str, Any] = {"global_samples": self.engine.global_samples}
+        if hasattr(dl, "state_dict"):
+            state.update(dl.state_dict())
+            return state
+        sampler = getattr(dl, "sampler", None)
         if sampler is not None and hasattr(sampler, "epoch"):
             state["epoch"] = int(sampler.epoch)
         return state
 
     def set_dataloader_state(self, state: Dict[str, Any]) -> None:
         dl = self.engine.training_dataloader
+        if hasattr(dl, "load_state_dict") and "epoch" in state:
+            dl.load_state_dict(state)  # an older checkpoint without "position" starts its epoch
+            return
         sampler = getattr(dl, "sampler", None)
         if sampler is not None and "epoch" in state and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))
