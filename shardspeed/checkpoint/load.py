@@ -127,8 +127,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
-    was given. ``load_module_only`` loads the weights alone (not the optimizer, schedule, loss scaler,
-    counters or RNG). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
+    was given. ``load_module_only`` loads the weights alone, as DeepSpeed does: the engine keeps its optimizer
+    state, schedule, loss scaler, step counters, data-loader position and RNG; the saved ``global_steps``,
+    ``global_samples`` and ``skipped_steps`` are returned in ``client_state`` (unless it has those keys). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
     """
     view = EngineView(engine)
     view.check_supported()
@@ -165,10 +166,16 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         view.set_dataloader_state(common.get("dataloader", {}))
         _restore_rng(view, meta, reader)
     reader.close()
+    client_state = common.get("client_state", {})
+    if load_module_only:  # as DeepSpeed: the saved counters come back in client_state, the engine's stay
+        client_state = dict(client_state)
+        for k, v in common.get("counters", {}).items():
+            if k != "micro_steps":
+                client_state.setdefault(k, v)
     if view.rank == 0:
         logger.info("loaded checkpoint %s (saved at world %d, stage %d; now world %d, stage %d)", path,
                     meta.world_size, meta.zero_stage, view.world, view.zero_stage)
-    return path, common.get("client_state", {})
+    return path, client_state
 
 
 def _restore_rng(view: EngineView, meta: CheckpointMetadata, reader: ShardReader) -> None:
