@@ -14,7 +14,7 @@ from . import rng
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
-from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, plan_reads, rank_file, read_range
+from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, rank_file, read_range
 
 logger = logging.getLogger("shardspeed")
 
@@ -64,12 +64,9 @@ def _piece_state(pc: OwnedPiece, index: EntryIndex, reader: ShardReader) -> Dict
         entries = index.overlapping(pc.name, sk, pc.start, pc.end)
         if not entries:
             continue
-        if entries[0].elementwise:
-            first = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
-            out = torch.empty(pc.end - pc.start, dtype=first.dtype)
-            for e, src, dst, n in plan_reads(entries, pc.start, pc.end):
-                t = first if e is entries[0] else reader.read(e.file, e.key, e.crc32)
-                out[dst : dst + n].copy_(t.reshape(-1)[src : src + n])
+        if entries[0].elementwise:  # one saved piece at a time; in place when it is exactly this piece
+            dtype = reader.dtype_of(entries[0].file, entries[0].key)
+            out = read_range(reader, index, pc.name, sk, pc.start, pc.end, dtype=dtype)
             state[sk] = out.view(pc.master.shape)
         elif entries[0].file:
             state[sk] = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
