@@ -154,7 +154,8 @@ class ParamManager:
         except ValueError:
             return
         self._pos[self._phase] = pos
-        budget = self.prefetch_numel
+        live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
+        budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
         for nxt in order[pos + 1 :]:
             u = self.units[nxt]
             if u.state is UnitState.GATHERED or u.gathering:
