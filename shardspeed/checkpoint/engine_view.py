@@ -15,24 +15,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..zero.master import MasterWeights
-
-GATHER_SLICE_BYTES = 16 << 20
-
-
-def _all_gather_sliced(comm, full: torch.Tensor, shard: torch.Tensor, world: int) -> None:
-    """``full`` = every rank's ``shard`` concatenated in rank order, gathered a slice of each shard at a
-    time (peak extra memory: two slices × world, instead of gloo's temporary of the whole of ``full``)."""
-    n = shard.numel()
-    if full.numel() != n * world:
-        raise CheckpointError(f"internal error: unit of {full.numel()} elements is not {world} shards of {n}")
-    step = max(GATHER_SLICE_BYTES // max(shard.element_size(), 1), 1)
-    parts = full.view(world, n)
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        out = torch.empty(world, b - a, dtype=full.dtype, device=full.device)
-        comm.all_gather(out.view(-1), shard[a:b].contiguous())
-        parts[:, a:b].copy_(out)
 
 
 @dataclass
@@ -181,25 +163,9 @@ class EngineView:
     def write_back_masters(self) -> None:
         """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step.
 
-        At stages 1-2 the gather goes in slices of :data:`GATHER_SLICE_BYTES` per rank: gloo's all-gather
-        allocates a temporary as large as its whole output, and ``sync_params_from_masters`` gathers every
-        unit at once, which on a freshly loaded rank was a second copy of the whole model (+768 MB of the
-        1536 MB peak at 201M parameters). The result is the same tensor, bit for bit."""
-        m = self.master
-        if type(m) is MasterWeights and m.gather_after_step and self.distributed:
-            for unit, master, pieces in zip(m.units, m.masters, m.trainable_pieces):  # as sync_params_from_masters
-                if master is None or master.data_ptr() == unit.shard.data_ptr():
-                    continue
-                if len(pieces) == len(unit.pieces):
-                    unit.shard.copy_(master)
-                else:  # leave frozen parameters' elements alone
-                    for pc in pieces:
-                        sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                        unit.shard[sl].copy_(master[sl])
-            for unit in m.units:
-                _all_gather_sliced(m.comm, unit.full, unit.shard, self.world)
-        else:
-            m.sync_params_from_masters()
+        (The gather is sliced on gloo by :class:`~shardspeed.dist.comms.Collectives`, so a load does not
+        hold a second copy of the model.)"""
+        self.master.sync_params_from_masters()
         manager = self.parts.param_manager
         if manager is not None:  # stage 3: drop gathered copies (persistent ones too); they are stale now
             manager.after_step()
