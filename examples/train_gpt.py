@@ -106,10 +106,13 @@ def batches(loader, fallback_dataset, micro_batch: int):
         rank, world = rank_and_world()
         sampler = DistributedSampler(fallback_dataset, num_replicas=world, rank=rank, shuffle=True)
         loader = DataLoader(fallback_dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # shardspeed's loader moves to the next epoch and reshuffles by itself, and resumes mid-epoch after
+    # load_checkpoint; other loaders (DeepSpeed's, the fallback) need set_epoch
+    self_epoching = hasattr(loader, "state_dict") and hasattr(loader, "set_epoch")
     epoch = 0
     while True:
         sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if not self_epoching and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         for batch in loader:
             yield batch[0], batch[1]
