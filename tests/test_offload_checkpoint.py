@@ -1,4 +1,4 @@
-"""Checkpoints of offloaded optimizer state (offload_optimizer cpu / nvme).
+"""Checkpoints of offloaded optimizer state (offload_optimizer cpu / nvme; also with offload_param cpu).
 
 Three process groups: world 2 trains and saves (offload cpu and nvme at stages 1-3, plus the reference
 straight runs); world 1 loads an offloaded checkpoint without offload (2→1) and saves one without offload;
@@ -15,7 +15,7 @@ from distributed import run_distributed
 from models import make_batches, make_model
 from test_checkpoint import GLOBAL_BATCH, K, _seed_all, _steps
 
-RESUME = [(s, d) for s in (1, 2, 3) for d in ("cpu", "nvme")]
+RESUME = [(s, d) for s in (1, 2, 3) for d in ("cpu", "nvme")] + [(3, "nvme+param")]  # +param: offload_param cpu
 
 
 def _config(stage: int, world: int, offload: str, nvme: str) -> dict:
@@ -28,6 +28,9 @@ def _config(stage: int, world: int, offload: str, nvme: str) -> dict:
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "sub_group_size": 200,
                               "stage3_param_persistence_threshold": 100},
     }
+    offload, _, param = offload.partition("+")
+    if param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if offload != "none":
         block = {"device": offload, "buffer_count": 2}
         if offload == "nvme":

@@ -124,10 +124,10 @@ class OffloadedMasterWeights(MasterWeights):
                 m = None if nvme else torch.empty(unit.shard.numel(), dtype=torch.float32, pin_memory=pin)
                 if m is not None:
                     m.copy_(unit.shard)
-            elif unit.dtype == torch.float32:
+            elif unit.dtype == torch.float32 and not unit.shard_on_host:
                 m = unit.shard  # as without offload: fp32 training updates the shard in place
             else:
-                m = unit.shard.detach().to(torch.float32, copy=True)
+                m = unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
             self.masters.append(m)
 
         # the engine's optimizer: param groups over the master pieces (placeholders where none in memory)
