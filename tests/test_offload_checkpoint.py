@@ -161,6 +161,15 @@ def test_offloaded_checkpoints(tmp_path):
         for a, b in zip(got_files, s["files"]):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (stage, dev, "store contents after load")
 
+    # streamed tile by tile: no saved range of an offloaded state is larger than a tile (sub_group_size)
+    from shardspeed.checkpoint.commit import read_latest
+    from shardspeed.checkpoint.metadata import CheckpointMetadata
+    d = os.path.join(root, "s2-nvme")
+    meta = CheckpointMetadata.read(os.path.join(d, read_latest(d)))
+    states = {e.state for e in meta.entries if meta.tensors[e.tensor].kind == "param"}
+    assert states == {"", "exp_avg", "exp_avg_sq", "step"}
+    assert max(e.end - e.start for e in meta.entries if meta.tensors[e.tensor].kind == "param") <= 200
+
     def close(got, ref_losses, ref_params, what):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{what}: {m}")
