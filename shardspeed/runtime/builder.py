@@ -76,14 +76,9 @@ def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimiz
         full = [dict(hyper[g.pop("_group")], **g) for g in (dict(x) for x in piece_groups)]
         if cfg.optimizer is not None:
             return build_optimizer(cfg.optimizer, full)
-        if client_optimizer is not None:
-            if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
-                return client_optimizer(full)
-            return rebuild_optimizer(client_optimizer, full)
-        raise ConfigError(
-            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
-            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
-        )
+        if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
+            return client_optimizer(full)
+        return rebuild_optimizer(client_optimizer, full)
 
     return make
 
@@ -122,6 +117,16 @@ def build_engine(
     comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
+    if cfg.optimizer is None and optimizer is None:
+        raise ConfigError(
+            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
+            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
+        )
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError(
+            f"two optimizers: the config's 'optimizer' block ({cfg.optimizer.type}) and optimizer= "
+            f"({type(optimizer).__name__}); keep one"
+        )
     if stage != 3 and any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
         raise ConfigError(
             f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
