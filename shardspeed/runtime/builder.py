@@ -150,6 +150,7 @@ def build_engine(
     manager = None
     if stage == 3:
         units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
+        _offload_param_shards(units, zero.offload_param)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
@@ -176,6 +177,17 @@ def build_engine(
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
     )
     return Engine(parts)
+
+
+def _offload_param_shards(units, offload) -> None:
+    """offload_param (stage 3): every unit's shard lives in host memory between gathers."""
+    device = offload.device if offload is not None else "none"
+    if device == "nvme":
+        raise ConfigError('offload_param device "nvme" is not supported yet: use "device": "cpu" (parameter '
+                          'shards in host memory; offload_optimizer can still use nvme)')
+    if device == "cpu":
+        for u in units:
+            u.keep_shard_on_host(bool(offload.pin_memory))
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

@@ -65,7 +65,7 @@ class MasterWeights:
                 self.piece_tensors.append([])
                 continue
             device = master_device or unit.device
-            aliases = unit.dtype == torch.float32 and device == unit.device
+            aliases = unit.dtype == torch.float32 and device == unit.device and not unit.shard_on_host
             master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
             self.masters.append(master)
             views = []
