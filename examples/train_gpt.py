@@ -42,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text", default=None, help="a text file to train on (default: the stdlib sources)")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="cap on the corpus size")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank at the end")
-    p.add_argument("--save-dir", default=None, help="save a checkpoint here at the end")
+    p.add_argument("--save-dir", default="checkpoints/train_gpt",
+                   help="save a checkpoint here at the end (default checkpoints/train_gpt; '' to skip)")
+    p.add_argument("--resume", action="store_true",
+                   help="load the latest checkpoint from --save-dir first and train --steps more")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", choices=["shardspeed", "deepspeed"], default="shardspeed",
                    help="deepspeed: run the same job with DeepSpeed, for comparison")
@@ -103,10 +106,13 @@ def batches(loader, fallback_dataset, micro_batch: int):
         rank, world = rank_and_world()
         sampler = DistributedSampler(fallback_dataset, num_replicas=world, rank=rank, shuffle=True)
         loader = DataLoader(fallback_dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # shardspeed's loader moves to the next epoch and reshuffles by itself, and resumes mid-epoch after
+    # load_checkpoint; other loaders (DeepSpeed's, the fallback) need set_epoch
+    self_epoching = hasattr(loader, "state_dict") and hasattr(loader, "set_epoch")
     epoch = 0
     while True:
         sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if not self_epoching and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         for batch in loader:
             yield batch[0], batch[1]
@@ -167,6 +173,12 @@ def main(argv=None) -> int:
               f"{args.block_size} bytes; {world} rank(s) x micro-batch {micro} x accumulation {gas} "
               f"= {tokens_per_step:,} tokens/step; config {args.config}", flush=True)
 
+    if args.resume and args.save_dir:
+        path, client = engine.load_checkpoint(args.save_dir)
+        if rank == 0:
+            print(f"resumed from {path} at step {engine.global_steps}" if path else
+                  f"nothing to resume in {args.save_dir}: starting afresh", flush=True)
+
     data = batches(loader, train_set, micro)
     losses: list[float] = []
     start = time.perf_counter()
@@ -190,12 +202,10 @@ def main(argv=None) -> int:
 
     val_loss = evaluate(engine, val_set, micro, args.eval_batches, device)
     if args.save_dir:
-        if hasattr(engine, "save_checkpoint"):
-            engine.save_checkpoint(args.save_dir, client_state={"steps": args.steps, "seed": args.seed})
-            if rank == 0:
-                print(f"checkpoint saved under {args.save_dir}")
-        elif rank == 0:
-            print("this engine cannot save checkpoints yet; --save-dir ignored")
+        engine.save_checkpoint(args.save_dir, client_state={"steps": args.steps, "seed": args.seed})
+        if rank == 0:
+            print(f"checkpoint saved under {args.save_dir} (tag global_step{engine.global_steps}); "
+                  f"export it with: shardspeed consolidate {args.save_dir} {args.save_dir}-fp32", flush=True)
 
     if rank == 0:
         tail = losses[-min(10, len(losses)):]

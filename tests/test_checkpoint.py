@@ -31,6 +31,10 @@ K = 3  # steps before and after the save
 GLOBAL_BATCH = 8
 RESUME_CASES = [("mlp", s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")] + [
     ("tied", 2, "fp32"), ("tied", 3, "fp32"), ("mlp_frozen", 1, "fp32"), ("mlp_frozen", 3, "fp32")]
+# data-loader resume: 20 samples, world 2, micro-batch 4 → per rank batches of 4, 4, 2: 3 steps an epoch
+LOADER_STAGES = (0, 2)
+LOADER_SAMPLES, LOADER_STEPS = 20, 8
+LOADER_SAVES = (3, 4)  # at the end of epoch 0 (before the loader noticed), and one batch into epoch 1
 
 
 def _config(stage: int, world: int, dtype: str = "fp32") -> dict:
@@ -117,13 +121,56 @@ def _name(kind, stage, dtype, world=2) -> str:
     return f"{kind}-s{stage}-{dtype}-w{world}"
 
 
+def _loader_engine(stage: int, model_seed: int = 0):
+    import torch.distributed as dist
+
+    import shardspeed
+
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randn(LOADER_SAMPLES, 16, generator=g),
+                                          torch.randn(LOADER_SAMPLES, 8, generator=g))
+    engine, _, loader, _ = shardspeed.initialize(model=make_model("mlp", model_seed),
+                                                 config=_config(stage, dist.get_world_size()), training_data=data)
+    return engine, loader
+
+
+def _loader_steps(engine, loader, steps: int, on_step=None) -> dict:
+    """``steps`` steps over the engine's loader, epoch after epoch, as a script would write it (no
+    ``set_epoch``: the loader reshuffles by itself). Returns the losses and this rank's inputs."""
+    import torch.distributed as dist
+
+    losses, inputs = [], []
+    while len(losses) < steps:
+        for x, y in loader:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(float(t) / dist.get_world_size())
+            inputs.append(x.clone())
+            if on_step is not None:
+                on_step(len(losses))
+            if len(losses) == steps:
+                break
+    return {"losses": losses, "inputs": inputs}
+
+
 # ---- process-group bodies (module level: they run in the ranks) -------------------------------------------
-def _save_group(root: str, resume_cases, reshard_stages) -> dict:
+def _save_group(root: str, resume_cases, reshard_stages, loader_stages=()) -> dict:
     """Per case: 2K steps straight (the reference) and K steps then a save."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
     out = {}
+    for stage in loader_stages:
+        e, loader = _loader_engine(stage)
+        straight = _loader_steps(e, loader, LOADER_STEPS)
+        e, loader = _loader_engine(stage)
+        d = os.path.join(root, "loader", f"s{stage}")
+        saving = _loader_steps(e, loader, LOADER_STEPS,
+                               on_step=lambda n: e.save_checkpoint(d, tag=f"step{n}") if n in LOADER_SAVES else None)
+        out[("loader", stage)] = {"straight": straight, "saving": saving}
     for kind, stage, dtype in resume_cases:
         batches = make_batches(kind, 2 * K, GLOBAL_BATCH)
         e = _engine(kind, stage, dtype)
@@ -159,11 +206,16 @@ def _continue_from(d: str, kind: str, stage: int, dtype: str = "fp32", noise: bo
     return {"losses": losses, "params": _params(e), **after_load}
 
 
-def _load_group(root: str, resume_cases, reshard_loads, extra: str) -> dict:
+def _load_group(root: str, resume_cases, reshard_loads, extra: str, loader_stages=()) -> dict:
     import torch.distributed as dist
 
     world = dist.get_world_size()
     out = {}
+    for stage in loader_stages:
+        for k in LOADER_SAVES:
+            e, loader = _loader_engine(stage, model_seed=7)
+            e.load_checkpoint(os.path.join(root, "loader", f"s{stage}"), tag=f"step{k}")
+            out[("loader", stage, k)] = dict(_loader_steps(e, loader, LOADER_STEPS - k), epoch=loader.sampler.epoch)
     for kind, stage, dtype in resume_cases:
         out[("resume", kind, stage, dtype)] = _continue_from(
             os.path.join(root, "resume", _name(kind, stage, dtype, world)), kind, stage, dtype, noise=True)
@@ -171,11 +223,19 @@ def _load_group(root: str, resume_cases, reshard_loads, extra: str) -> dict:
         out[("reshard", src_stage, src_world, stage)] = _continue_from(
             os.path.join(root, "reshard", f"s{src_stage}-w{src_world}"), "mlp", stage)
     if extra == "world2":
-        # load_module_only: weights from the checkpoint, nothing else
+        # load_module_only: weights from the checkpoint, nothing else (DeepSpeed: the engine keeps its step
+        # counters, optimizer state, schedule; the saved counters come back in client_state)
         e = _engine("mlp", 2, model_seed=7)
+        _steps(e, "mlp", make_batches("mlp", 1, GLOBAL_BATCH), noise=False)
+        opt_before = {k: {sk: sv.clone() for sk, sv in st.items()} for k, st in enumerate(e.optimizer.state.values())}
+        lr_before = e.get_lr()
         path, client = e.load_checkpoint(os.path.join(root, "resume", _name("mlp", 1, "fp32")), load_module_only=True)
-        out["module_only"] = {"params": _params(e), "steps": e.global_steps, "opt_state": len(e.optimizer.state),
-                              "client": client}
+        opt_after = {k: dict(st) for k, st in enumerate(e.optimizer.state.values())}
+        out["module_only"] = {"params": _params(e), "steps": e.global_steps, "samples": e.global_samples,
+                              "micro": e.micro_steps, "opt_kept": opt_before.keys() == opt_after.keys() and all(
+                                  torch.equal(opt_before[k][sk], opt_after[k][sk]) for k in opt_before
+                                  for sk in opt_before[k]),
+                              "lr_kept": lr_before == e.get_lr(), "client": client}
         # nothing to load
         out["empty"] = e.load_checkpoint(os.path.join(root, "nothing-here"))
         # 16-bit export at stage 2 (bf16), both formats
@@ -245,10 +305,11 @@ def _break_copies(root: str) -> None:
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     res = {}
-    res[2] = run_distributed(_save_group, 2, root, RESUME_CASES, [0, 1, 2, 3])[0]
+    res[2] = run_distributed(_save_group, 2, root, RESUME_CASES, [0, 1, 2, 3], LOADER_STAGES)[0]
     res[4] = run_distributed(_save_group, 4, root, [], [2, 3])[0]
     _break_copies(root)
-    res["load2"] = run_distributed(_load_group, 2, root, RESUME_CASES, [(2, 4, 0), (3, 4, 1)], "world2")[0]
+    res["load2"] = run_distributed(_load_group, 2, root, RESUME_CASES, [(2, 4, 0), (3, 4, 1)], "world2",
+                                    LOADER_STAGES)[0]
     res["load1"] = run_distributed(_load_group, 1, root, [], [(3, 2, 1), (2, 2, 0), (1, 2, 3)], "errors")[0]
     res["load4"] = run_distributed(_load_group, 4, root, [], [(1, 2, 3), (0, 2, 2), (2, 2, 0), (3, 2, 1)], "none")[0]
     res["root"] = root
@@ -266,6 +327,24 @@ def test_exact_resume(runs, case):
         assert torch.equal(got["params"][n], p), f"{case}: parameter {n} differs after resume"
     assert got["global_steps"] == K and got["global_samples"] == K * GLOBAL_BATCH
     assert got["client"] == {"case": list(case), "epoch": 7}
+
+
+# ---- data-loader position -------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", LOADER_STAGES)
+@pytest.mark.parametrize("k", LOADER_SAVES)
+def test_loader_resumes_at_the_next_batch(runs, stage, k):
+    """Saved mid-run while iterating the engine's loader, resumed in a new process group: the same batches
+    (rank 0's inputs, bit for bit) and bit-identical losses as the straight run, across the epoch boundary."""
+    ref = runs[2][("loader", stage)]
+    got = runs["load2"][("loader", stage, k)]
+    assert ref["saving"]["losses"] == ref["straight"]["losses"]  # saving does not disturb the run
+    assert len(got["inputs"]) == LOADER_STEPS - k
+    for i, (a, b) in enumerate(zip(got["inputs"], ref["straight"]["inputs"][k:])):
+        assert torch.equal(a, b), f"batch {k + i} differs after resuming at step {k}"
+    assert got["losses"] == ref["straight"]["losses"][k:]
+    assert got["epoch"] == 2  # 8 steps of 3 per epoch: epochs 0, 1 and into 2
+    # epochs are reshuffled: epoch 1 does not repeat epoch 0's order
+    assert not torch.equal(ref["straight"]["inputs"][0], ref["straight"]["inputs"][3])
 
 
 # ---- resharding -----------------------------------------------------------------------------------------
@@ -340,8 +419,10 @@ def test_load_module_only(runs):
     saved = runs[2][("resume", "mlp", 1, "fp32")]
     for n, p in saved["saved_params"].items():
         assert torch.equal(got["params"][n], p), n
-    assert got["steps"] == 0 and got["opt_state"] == 0
-    assert got["client"]["epoch"] == 7
+    assert (got["steps"], got["samples"], got["micro"]) == (1, GLOBAL_BATCH, 1)  # the engine's own counters
+    assert got["opt_kept"] and got["lr_kept"]
+    assert got["client"] == {"case": ["mlp", 1, "fp32"], "epoch": 7, "global_steps": K,
+                             "global_samples": K * GLOBAL_BATCH, "skipped_steps": 0}
     assert runs["load2"]["empty"] == (None, None)
 
 

@@ -178,6 +178,14 @@ def _gathered_modifier_case():
         engine.backward(engine(x, y))
         engine.step()
     out["warned"] = any("GatheredParameters" in str(c.message) for c in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.module.state_dict()
+    out["state_dict_warned"] = any("ZeRO stage 3 contains empty tensors" in str(c.message) for c in caught)
+    with warnings.catch_warnings(record=True) as caught, shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        warnings.simplefilter("always")
+        out["gathered_state_dict_shape"] = tuple(engine.module.state_dict()["layers.0.weight"].shape)
+        out["gathered_state_dict_warned"] = bool(caught)
     return out
 
 
@@ -303,6 +311,8 @@ def test_gathered_parameters_modifier_rank(results):
         assert g["after_edit"] == 1.0
         assert abs(g["after_step"] - 1.0) < 0.05  # one AdamW step of lr 1e-2 from all-ones
         assert g["warned"]
+        assert g["state_dict_warned"] and not g["gathered_state_dict_warned"]
+        assert g["gathered_state_dict_shape"] == (32, 16)
 
 
 def test_reduce_scatter_false_all_reduces_with_same_result(results):

@@ -33,6 +33,10 @@ def _config(stage: int, gas: int, dtype: str, offload: str, nvme_path: str, *, o
     }
     if optimizer == "SGD":
         cfg["optimizer"]["params"]["momentum"] = 0.9
+    offload, _, param = offload.partition("+")  # "cpu+param": offload_param cpu as well (stage 3)
+    if param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if offload != "none":
         offload, _, ratio = offload.partition("@")  # "cpu@0.5": ratio 0.5 (stage 3)
         block = {"device": offload, "buffer_count": buffer_count, "pin_memory": True, "ratio": float(ratio or 1)}
@@ -71,10 +75,14 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(float(total) / (gas * world))
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole, not placeholders
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    assert all(p.numel() for p in params.values())
     out = {"losses": losses, "params": params, "skipped": engine.skipped_steps, "mem": engine.memory_breakdown(),
            "scale": engine.loss_scale}
     master = engine._p.master
+    out["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in master.units)
+    out["shards_on_host"] = [u.shard_on_host and u.shard.device.type == "cpu" for u in master.units]
     if hasattr(master, "host_store") and master.host_store is not None and hasattr(master.host_store, "dir"):
         out["nvme_dir"] = master.host_store.dir
         out["nvme_files"] = sorted(os.listdir(master.host_store.dir))
@@ -102,6 +110,11 @@ def _cases():
         ("mlp", 1, 2, "bf16", "nvme"),
         ("mlp", 2, 1, "fp16", "cpu"),
         ("mlp", 1, 2, "fp16", "nvme"),
+        # offload_param cpu: parameter shards in host memory, alone and with optimizer offload
+        ("mlp", 3, 2, "fp32", "none+param"),
+        ("mlp", 3, 1, "fp32", "cpu+param"),
+        ("tied", 3, 2, "fp32", "nvme+param"),
+        ("mlp", 3, 2, "bf16", "cpu+param"),
     ]
 
 
@@ -118,6 +131,10 @@ def _run_all(nvme_path: str) -> list:
     from shardspeed.errors import ConfigError
     with pytest.raises(ConfigError, match="supports Adam and AdamW"):
         _train("mlp", _config(2, 1, "fp32", "nvme", nvme_path, optimizer="SGD"), 1)
+    cfg = _config(3, 1, "fp32", "none", nvme_path)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
+    with pytest.raises(ConfigError, match="offload_param device \"nvme\" is not supported yet: use"):
+        _train("mlp", cfg, 1)
     # one pool buffer (no read-ahead) and no clipping still match
     ref = _train("mlp", _config(1, 1, "fp32", "none", nvme_path, clip=0.0), 1)
     got = _train("mlp", _config(1, 1, "fp32", "nvme", nvme_path, buffer_count=1, clip=0.0), 1)
@@ -140,6 +157,14 @@ def test_offload_matches_no_offload(tmp_path):
             if dtype == "fp16":
                 assert 1 <= ref["skipped"] < STEPS, f"{case}: skipped {ref['skipped']} of {STEPS} steps"
                 assert got["scale"] == ref["scale"]
+            if case[4].endswith("+param"):  # parameter shards counted on the host, none left on the device
+                assert all(got["shards_on_host"]) and not any(ref["shards_on_host"]), case
+                assert got["mem"]["offloaded_parameters"] == got["shard_bytes"] > 0, (case, got["mem"])
+                assert got["mem"]["parameters"] == 0 and ref["mem"]["parameters"] > 0, (case, got["mem"], ref["mem"])
+                assert ref["mem"]["offloaded_parameters"] == 0
+                if case[4].startswith("none"):  # optimizer on the device: the fp32 master is a copy now
+                    assert got["mem"]["optimizer_states"] == ref["mem"]["optimizer_states"] > 0, case
+                    continue
             if "@" not in case[4]:  # fully offloaded: no master/optimizer state on the device
                 assert got["mem"]["master_weights"] == 0 and got["mem"]["optimizer_states"] == 0, (case, got["mem"])
             else:  # ratio 0.5 keeps part of it there

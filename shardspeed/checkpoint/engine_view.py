@@ -27,6 +27,14 @@ class OwnedPiece:
 
 
 @dataclass
+class OffloadedPiece:
+    name: str  # as OwnedPiece
+    start: int
+    end: int
+    segment: Any  # shardspeed.offload.master.StateSegment: where the state is in the offload store
+
+
+@dataclass
 class UnitParamInfo:
     name: str
     shape: Tuple[int, ...]
@@ -54,13 +62,30 @@ class EngineView:
                 self.aliases[name] = first
         self._in_units = {id(prm) for u in self.units for prm in u.params}
 
-    def check_supported(self) -> None:
-        """Offloaded Adam keeps its moments (and, on NVMe, the masters) in a tile store, not in
-        ``optimizer.state``: saving would silently drop them, so refuse until the store is wired in."""
-        if getattr(self.master, "tiled", False) or getattr(self.master, "host_store", None) is not None:
-            raise CheckpointError(
-                "checkpoints with zero_optimization.offload_optimizer are not supported yet (the offloaded "
-                "optimizer state lives in the offload store); save without offload, or use save_16bit_model")
+    # ---- offloaded optimizer state (offload_optimizer with Adam/AdamW: the tiled path) -----------------
+    @property
+    def offloaded(self) -> bool:
+        """Masters and Adam moments live in the offload store (host memory or NVMe files), by tile, not in
+        ``optimizer.state``; checkpoints then go through :meth:`offloaded_pieces` and the store."""
+        return bool(getattr(self.master, "tiled", False))
+
+    def offloaded_pieces(self) -> List[OffloadedPiece]:
+        """Every (trainable piece ∩ tile) of this rank, in tile order (offloaded engines only)."""
+        out = []
+        for seg in self.master.state_segments():
+            u = self.units[seg.tile.unit]
+            out.append(OffloadedPiece(self.names[id(u.params[seg.piece.param_index])], seg.param_start,
+                                      seg.param_end, seg))
+        return out
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Adam's step count of the offloaded state (one for every piece)."""
+        return int(self.master.step_count)
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, n: int) -> None:
+        self.master.step_count = int(n)
 
     # ---- collectives on Python objects (small; gloo and NCCL both do these) --------------------------
     @property
@@ -161,7 +186,10 @@ class EngineView:
         return out
 
     def write_back_masters(self) -> None:
-        """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step."""
+        """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step.
+
+        (The gather is sliced on gloo by :class:`~shardspeed.dist.comms.Collectives`, so a load does not
+        hold a second copy of the model.)"""
         self.master.sync_params_from_masters()
         manager = self.parts.param_manager
         if manager is not None:  # stage 3: drop gathered copies (persistent ones too); they are stale now
@@ -181,15 +209,23 @@ class EngineView:
         e.skipped_steps = int(c.get("skipped_steps", 0))
 
     def dataloader_state(self) -> Dict[str, Any]:
+        """The engine's loader: epoch and global sample position when it is resumable (the loader built by
+        ``initialize(training_data=...)``), else the sampler's epoch alone."""
         dl = self.engine.training_dataloader
-        sampler = getattr(dl, "sampler", None)
         state: Dict[str, Any] = {"global_samples": self.engine.global_samples}
+        if hasattr(dl, "state_dict"):
+            state.update(dl.state_dict())
+            return state
+        sampler = getattr(dl, "sampler", None)
         if sampler is not None and hasattr(sampler, "epoch"):
             state["epoch"] = int(sampler.epoch)
         return state
 
     def set_dataloader_state(self, state: Dict[str, Any]) -> None:
         dl = self.engine.training_dataloader
+        if hasattr(dl, "load_state_dict") and "epoch" in state:
+            dl.load_state_dict(state)  # an older checkpoint without "position" starts its epoch
+            return
         sampler = getattr(dl, "sampler", None)
         if sampler is not None and "epoch" in state and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))

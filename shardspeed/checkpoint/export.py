@@ -24,8 +24,8 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
     sharded_units = view.zero_stage == 3
     for unit in view.units:
         if sharded_units and unit.layout.world > 1:
-            full = torch.empty(unit.layout.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-            p.collectives.all_gather(full, unit.shard)
+            full = torch.empty(unit.layout.padded_numel, dtype=unit.dtype, device=unit.device)
+            p.collectives.all_gather(full, unit.shard_on_device())
         else:
             full = unit.full
         if view.rank == 0:

@@ -8,6 +8,7 @@ The files are plain safetensors: ``safetensors.safe_open`` and any other reader 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import struct
@@ -233,14 +234,21 @@ class ShardReader:
             self._headers[file] = h
         return h
 
-    def read(self, file: str, key: str, crc: Optional[int] = None) -> torch.Tensor:
+    def read(self, file: str, key: str, crc: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The tensor ``key``; with ``out`` (a contiguous CPU tensor of its dtype and size), read into it in
+        place (no temporary)."""
         path = os.path.join(self.root, file)
         base, header = self._header(file)
         info = header.get(key)
         if info is None:
             raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
         lo, hi = info["data_offsets"]
-        t = torch.empty(info["shape"], dtype=ST_TO_DTYPE[info["dtype"]])
+        if out is not None:
+            t = out
+            if t.dtype != ST_TO_DTYPE[info["dtype"]] or t.numel() != math.prod(info["shape"]):
+                raise CheckpointError(f"internal error: reading {key!r} of {path} into a {t.dtype}{list(t.shape)}")
+        else:
+            t = torch.empty(info["shape"], dtype=ST_TO_DTYPE[info["dtype"]])
         buf = tensor_bytes(t) if t.numel() else None
         if buf is not None and len(buf) != hi - lo:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
@@ -258,6 +266,12 @@ class ShardReader:
                     f"(crc32 {got_crc:#010x}, expected {crc:#010x}); the file is corrupt"
                 )
         return t
+
+    def dtype_of(self, file: str, key: str) -> torch.dtype:
+        info = self._header(file)[1].get(key)
+        if info is None:
+            raise CheckpointError(f"checkpoint file {os.path.join(self.root, file)} has no tensor {key!r}")
+        return ST_TO_DTYPE[info["dtype"]]
 
     def close(self) -> None:
         self._headers.clear()

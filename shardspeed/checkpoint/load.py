@@ -14,7 +14,7 @@ from . import rng
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
-from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, plan_reads, rank_file, read_range
+from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, rank_file, read_range
 
 logger = logging.getLogger("shardspeed")
 
@@ -44,7 +44,7 @@ def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> se
 
 @torch.no_grad()
 def _load_weights(view: EngineView, index: EntryIndex, reader: ShardReader, present: set) -> None:
-    for pieces in view.pieces():
+    for pieces in ([] if view.offloaded else view.pieces()):  # offloaded masters: _load_offloaded
         for pc in pieces:
             if pc.name in present:
                 read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master)
@@ -64,12 +64,9 @@ def _piece_state(pc: OwnedPiece, index: EntryIndex, reader: ShardReader) -> Dict
         entries = index.overlapping(pc.name, sk, pc.start, pc.end)
         if not entries:
             continue
-        if entries[0].elementwise:
-            first = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
-            out = torch.empty(pc.end - pc.start, dtype=first.dtype)
-            for e, src, dst, n in plan_reads(entries, pc.start, pc.end):
-                t = first if e is entries[0] else reader.read(e.file, e.key, e.crc32)
-                out[dst : dst + n].copy_(t.reshape(-1)[src : src + n])
+        if entries[0].elementwise:  # one saved piece at a time; in place when it is exactly this piece
+            dtype = reader.dtype_of(entries[0].file, entries[0].key)
+            out = read_range(reader, index, pc.name, sk, pc.start, pc.end, dtype=dtype)
             state[sk] = out.view(pc.master.shape)
         elif entries[0].file:
             state[sk] = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
@@ -93,13 +90,55 @@ def _restore_hyper(current: Dict[str, Any], saved: Optional[Dict[str, Any]]) -> 
     return out
 
 
-def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader,
-                    present: set) -> None:
+def _check_optimizer_class(view: EngineView, meta: CheckpointMetadata) -> Dict[str, Any]:
     saved = meta.optimizer or {}
     now = type(view.optimizer).__name__
     if saved.get("class") and saved["class"] != now:
         raise CheckpointError(f"the checkpoint's optimizer is {saved['class']} but the engine's is {now}; pass "
                               f"load_optimizer_states=False to start the optimizer afresh")
+    return saved
+
+
+@torch.no_grad()
+def _load_offloaded(view: EngineView, meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader,
+                    present: set, with_optimizer: bool) -> None:
+    """Masters (and Adam moments) of an offloaded engine, written into its store tile by tile: with NVMe,
+    memory holds one tile plus one saved entry at a time. Any saved layout works (ranges are assembled
+    from whichever entries overlap, as for the pieces of a non-offloaded engine)."""
+    if with_optimizer:
+        saved = _check_optimizer_class(view, meta)
+        groups = saved.get("param_groups", {})
+        for gi, g in zip(view.master.group_indices, view.optimizer.param_groups):
+            g.update(_restore_hyper(g, groups.get(str(gi))))
+    by_tile: Dict[Tuple[bool, int], List[Any]] = defaultdict(list)
+    for op in view.offloaded_pieces():
+        if op.name in present:
+            by_tile[(op.segment.on_host, op.segment.tile.index)].append(op)
+
+    def fill(tile, on_host: bool, st) -> None:
+        for op in by_tile.get((on_host, tile.index), []):
+            a = op.segment.lo - tile.lo
+            b = a + op.end - op.start
+            read_range(reader, index, op.name, WEIGHT, op.start, op.end, out=st.master[a:b])
+            if not with_optimizer:
+                continue
+            for sk in ("exp_avg", "exp_avg_sq"):
+                dst = getattr(st, sk)[a:b]
+                if index.has(op.name, sk):
+                    read_range(reader, index, op.name, sk, op.start, op.end, out=dst)
+                else:  # saved before the first step: no moments yet
+                    dst.zero_()
+
+    view.master.load_tiles(fill)
+    if with_optimizer:  # Adam's step is one count for every piece: take it from any saved piece
+        e = next((e for e in meta.entries if e.state == "step" and e.tensor in present), None)
+        view.optimizer_steps = 0 if e is None else \
+            int(float(reader.read(e.file, e.key, e.crc32)) if e.file else float(e.value))
+
+
+def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader,
+                    present: set) -> None:
+    saved = _check_optimizer_class(view, meta)
     piece_of = {id(pc.master): pc for pieces in view.pieces() for pc in pieces}
     opt = view.optimizer
     opt.state = defaultdict(dict)  # drop the current state first: peak memory stays one copy of it
@@ -127,11 +166,11 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
-    was given. ``load_module_only`` loads the weights alone (not the optimizer, schedule, loss scaler,
-    counters or RNG). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
+    was given. ``load_module_only`` loads the weights alone, as DeepSpeed does: the engine keeps its optimizer
+    state, schedule, loss scaler, step counters, data-loader position and RNG; the saved ``global_steps``,
+    ``global_samples`` and ``skipped_steps`` are returned in ``client_state`` (unless it has those keys). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
     """
     view = EngineView(engine)
-    view.check_supported()
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
@@ -147,7 +186,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     try:
         present = _check_names(view, meta, load_module_strict)
         _load_weights(view, index, reader, present)
-        if load_optimizer_states and not load_module_only:
+        with_optimizer = load_optimizer_states and not load_module_only
+        if view.offloaded:
+            _load_offloaded(view, meta, index, reader, present, with_optimizer)
+        elif with_optimizer:
             _load_optimizer(view, meta, index, reader, present)
     except CheckpointError as exc:
         err = str(exc)
@@ -165,10 +207,16 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         view.set_dataloader_state(common.get("dataloader", {}))
         _restore_rng(view, meta, reader)
     reader.close()
+    client_state = common.get("client_state", {})
+    if load_module_only:  # as DeepSpeed: the saved counters come back in client_state, the engine's stay
+        client_state = dict(client_state)
+        for k, v in common.get("counters", {}).items():
+            if k != "micro_steps":
+                client_state.setdefault(k, v)
     if view.rank == 0:
         logger.info("loaded checkpoint %s (saved at world %d, stage %d; now world %d, stage %d)", path,
                     meta.world_size, meta.zero_stage, view.world, view.zero_stage)
-    return path, common.get("client_state", {})
+    return path, client_state
 
 
 def _restore_rng(view: EngineView, meta: CheckpointMetadata, reader: ShardReader) -> None:

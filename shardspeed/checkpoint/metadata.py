@@ -197,6 +197,12 @@ def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, 
         plan = plan_reads(entries, start, end)
     except CheckpointError as exc:
         raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}")
+    if (len(plan) == 1 and plan[0][1] == 0 and plan[0][3] == out.numel() == plan[0][0].end - plan[0][0].start
+            and out.is_contiguous() and out.device.type == "cpu"
+            and reader.dtype_of(plan[0][0].file, plan[0][0].key) == out.dtype):
+        e = plan[0][0]  # the entry is exactly the range wanted: read it in place (no temporary)
+        reader.read(e.file, e.key, e.crc32, out=out)
+        return out
     for e, src_off, dst_off, n in plan:
         t = reader.read(e.file, e.key, e.crc32).reshape(-1)
         out[dst_off : dst_off + n].copy_(t[src_off : src_off + n])

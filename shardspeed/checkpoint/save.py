@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from . import rng
 from .commit import commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
-from .format import dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
+from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
 from .metadata import (COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo,
                        rank_file)
 
@@ -45,7 +45,9 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[
     opt_state = view.optimizer.state
     for gi, g in zip(view.master.group_indices, view.optimizer.param_groups):
         groups[gi] = group_hyper(g)
-    for unit, pieces in zip(view.units, view.pieces()):
+    if view.offloaded:
+        _offloaded_items(view, file, items, entries)
+    for unit, pieces in zip(view.units, [] if view.offloaded else view.pieces()):
         if not view.writes_unit(unit):
             continue
         for pc in pieces:
@@ -76,6 +78,32 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[
     return items, entries, groups
 
 
+def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, torch.Tensor]], entries: List[Entry]) -> None:
+    """Masters and Adam moments from the offload store, one entry per (piece ∩ tile), in the same format as
+    ``optimizer.state`` gives (so either kind of engine loads it). Lazy: with NVMe each range is read from
+    the files only when the writer reaches it, so memory holds one tile-sized range at a time."""
+    steps = view.optimizer_steps
+    master = view.master
+    for op in view.offloaded_pieces():
+        n = op.end - op.start
+
+        def lazy(name: str, seg=op.segment, n=n) -> LazyTensor:
+            return LazyTensor((n,), torch.float32, lambda: master.read_segment(seg, name))
+
+        key = f"w/{op.name}/{op.start}"
+        items.append((key, lazy("master")))
+        entries.append(Entry(op.name, WEIGHT, op.start, op.end, file, key))
+        if steps == 0:
+            continue  # as torch's Adam before its first step: no state yet
+        for sk in ("exp_avg", "exp_avg_sq"):
+            skey = f"o/{sk}/{op.name}/{op.start}"
+            items.append((skey, lazy(sk)))
+            entries.append(Entry(op.name, sk, op.start, op.end, file, skey, elementwise=True))
+        skey = f"o/step/{op.name}/{op.start}"
+        items.append((skey, torch.tensor(float(steps), dtype=torch.float32)))  # torch Adam's 0-dim step
+        entries.append(Entry(op.name, "step", op.start, op.end, file, skey, elementwise=False))
+
+
 def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
     tensors: Dict[str, TensorInfo] = {}
     for name, shape, trainable in view.unit_params():
@@ -93,7 +121,6 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
     t0 = time.perf_counter()
     view = EngineView(engine)
-    view.check_supported()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")

@@ -153,6 +153,8 @@ class Collectives:
         self.group = topology.dp_group
         self.world = topology.dp_size
         self.log = logger_ if logger_ is not None else CommsLogger()
+        self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
+        self.gloo_slice_bytes = 16 * 2**20
 
     def _run(self, op: str, fn, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> CommHandle:
         rec = self.log.start(op, tensor, self.world)
@@ -190,7 +192,14 @@ class Collectives:
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
-        """Concatenate every rank's ``input`` into ``output`` (in rank order)."""
+        """Concatenate every rank's ``input`` into ``output`` (in rank order).
+
+        On gloo, whose all-gather allocates a temporary as large as its whole output, a large gather runs
+        in slices of :attr:`gloo_slice_bytes` per rank (synchronously), so a step at stages 1-2 never holds
+        a second copy of the model.
+        """
+        if self.world > 1 and self._is_gloo and input.numel() * input.element_size() > self.gloo_slice_bytes:
+            return self._all_gather_sliced(output, input)
         if self.world == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -202,6 +211,20 @@ class Collectives:
             output,
             async_op,
         )
+
+    def _all_gather_sliced(self, output: torch.Tensor, input: torch.Tensor) -> CommHandle:
+        n = input.numel()
+        step = max(self.gloo_slice_bytes // input.element_size(), 1)
+        parts = output.view(self.world, n)
+        handle = None
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            tmp = torch.empty(self.world, b - a, dtype=output.dtype, device=output.device)
+            handle = self._run("all_gather", lambda x: _all_gather_tensor(tmp.view(-1), input[a:b].contiguous(),
+                                                                          group=self.group, async_op=x),
+                               tmp, tmp, False)
+            parts[:, a:b].copy_(tmp)
+        return CommHandle(output, None, handle._record, handle._describe, self.log)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank

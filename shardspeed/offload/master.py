@@ -30,6 +30,7 @@ import torch
 
 from ..dist.comms import Collectives
 from ..errors import ConfigError
+from ..zero.layout import Piece
 from ..zero.master import MasterWeights, StepResult
 from ..zero.reducer import GradientReducer
 from ..zero.unit import FlatParamUnit
@@ -39,6 +40,26 @@ from .tiles import Tile, plan_tiles, split_by_ratio
 from .transfer import HostCopier
 
 logger = logging.getLogger("shardspeed")
+
+
+@dataclass(frozen=True)
+class StateSegment:
+    """The part of one trainable piece that lies in one tile: the unit of an offloaded state in a
+    checkpoint (an entry never spans two tiles, so saving and loading touch one tile at a time)."""
+
+    tile: Tile
+    on_host: bool  # the tile's store: host/NVMe (True) or the device (units kept there by ``ratio``)
+    piece: Piece
+    lo: int  # range inside the unit's chunk
+    hi: int
+
+    @property
+    def param_start(self) -> int:
+        return self.piece.param_start + self.lo - self.piece.chunk_start
+
+    @property
+    def param_end(self) -> int:
+        return self.param_start + self.hi - self.lo
 
 
 @dataclass(frozen=True)
@@ -103,10 +124,10 @@ class OffloadedMasterWeights(MasterWeights):
                 m = None if nvme else torch.empty(unit.shard.numel(), dtype=torch.float32, pin_memory=pin)
                 if m is not None:
                     m.copy_(unit.shard)
-            elif unit.dtype == torch.float32:
+            elif unit.dtype == torch.float32 and not unit.shard_on_host:
                 m = unit.shard  # as without offload: fp32 training updates the shard in place
             else:
-                m = unit.shard.detach().to(torch.float32, copy=True)
+                m = unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
             self.masters.append(m)
 
         # the engine's optimizer: param groups over the master pieces (placeholders where none in memory)
@@ -242,6 +263,42 @@ class OffloadedMasterWeights(MasterWeights):
                     self.host_store.write_master(t, shard[t.lo : t.hi])
             return
         super().refresh_from_shard(unit_index)
+
+    def sync_params_from_masters(self) -> None:
+        """As the base, and with NVMe the master tiles are read from the files into the shards."""
+        if isinstance(self.host_store, NvmeStateStore):
+            for t in self.host_tiles:
+                self.units[t.unit].shard[t.lo : t.hi].copy_(self.host_store.read_state(t, "master", t.lo, t.hi))
+        super().sync_params_from_masters()
+
+    # ---- checkpoints (tiled path): state by tile, through the store -----------------------------------
+    def state_segments(self) -> List[StateSegment]:
+        """Every (trainable piece ∩ tile), device tiles first, then host tiles, in tile order."""
+        out: List[StateSegment] = []
+        for on_host, tiles in ((False, self.device_tiles), (True, self.host_tiles)):
+            for t in tiles:
+                for pc in self.trainable_pieces[t.unit]:
+                    lo, hi = max(pc.chunk_start, t.lo), min(pc.chunk_start + pc.numel, t.hi)
+                    if lo < hi:
+                        out.append(StateSegment(t, on_host, pc, lo, hi))
+        return out
+
+    def read_segment(self, seg: StateSegment, name: str) -> torch.Tensor:
+        """One state (``master``, ``exp_avg``, ``exp_avg_sq``) over a segment: a view of memory, or a copy
+        read from the NVMe files (a sync point with the disk; one segment in memory)."""
+        store = self.host_store if seg.on_host else self.device_store
+        return store.read_state(seg.tile, name, seg.lo, seg.hi)
+
+    def load_tiles(self, fill: Callable[[Tile, bool, TileState], None]) -> None:
+        """For each tile: read its state, let ``fill(tile, on_host, state)`` overwrite parts of it, store it
+        back (NVMe: one tile in memory at a time). The shards are not touched: call
+        :meth:`sync_params_from_masters` after."""
+        for on_host, store, tiles in ((False, self.device_store, self.device_tiles),
+                                      (True, self.host_store, self.host_tiles)):
+            for t in tiles:
+                st = store.read_tile(t)
+                fill(t, on_host, st)
+                store.write_tile(t, st)
 
     # ---- introspection ---------------------------------------------------------------------------------
     def held_bytes(self) -> Dict[str, int]:

@@ -64,6 +64,21 @@ class MemoryStateStore:
     def release(self, tile: Tile, state: TileState, ready: Any = None) -> None:
         pass
 
+    # ---- checkpoints: direct access by tile (not on the training path) ----
+    def read_tile(self, tile: Tile) -> TileState:
+        """The tile's state as views (no copy): writing into them changes the store."""
+        return next(iter(self.stream([tile])))[1]
+
+    def read_state(self, tile: Tile, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the unit's chunk (inside ``tile``) of one state, as a view."""
+        return getattr(self.read_tile(tile), name)[lo - tile.lo : hi - tile.lo]
+
+    def write_tile(self, tile: Tile, state: TileState) -> None:
+        """Store a tile's state (a no-op for the views :meth:`read_tile` handed out)."""
+        for dst, src in zip(self.read_tile(tile), state):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+
     def flush(self) -> None:
         pass
 
@@ -199,6 +214,21 @@ class NvmeStateStore:
         out = torch.empty(3, tile.numel, dtype=torch.float32)
         self._read(tile, out)
         return TileState(out[0], out[1], out[2])
+
+    def read_state(self, tile: Tile, name: str, lo: int, hi: int) -> torch.Tensor:
+        """A copy of elements ``[lo, hi)`` of the unit's chunk (inside ``tile``) of one state file
+        (checkpoints: one range in memory at a time; a sync point with the disk)."""
+        self.flush()
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        _rw_all(os.preadv, self.fds[name], out, (tile.offset + lo - tile.lo) * _FP32, "read")
+        return out
+
+    def write_tile(self, tile: Tile, state: TileState) -> None:
+        """Overwrite a tile's master weights and moments in the files; synchronous (checkpoint load)."""
+        self.flush()
+        for name, t in zip(STATE_NAMES, state):
+            _rw_all(os.pwritev, self.fds[name], t.detach().to("cpu", torch.float32).contiguous(),
+                    tile.offset * _FP32, "write")
 
     # ---- the stream ------------------------------------------------------------------------------
     def stream(self, tiles: Sequence[Tile]) -> Iterator[Tuple[Tile, TileState]]:

@@ -76,14 +76,9 @@ def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimiz
         full = [dict(hyper[g.pop("_group")], **g) for g in (dict(x) for x in piece_groups)]
         if cfg.optimizer is not None:
             return build_optimizer(cfg.optimizer, full)
-        if client_optimizer is not None:
-            if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
-                return client_optimizer(full)
-            return rebuild_optimizer(client_optimizer, full)
-        raise ConfigError(
-            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
-            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
-        )
+        if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
+            return client_optimizer(full)
+        return rebuild_optimizer(client_optimizer, full)
 
     return make
 
@@ -122,6 +117,16 @@ def build_engine(
     comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
     collectives = Collectives(topo, comms_logger)
 
+    if cfg.optimizer is None and optimizer is None:
+        raise ConfigError(
+            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
+            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
+        )
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError(
+            f"two optimizers: the config's 'optimizer' block ({cfg.optimizer.type}) and optimizer= "
+            f"({type(optimizer).__name__}); keep one"
+        )
     if stage != 3 and any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
         raise ConfigError(
             f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
@@ -145,6 +150,7 @@ def build_engine(
     manager = None
     if stage == 3:
         units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
+        _offload_param_shards(units, zero.offload_param)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
@@ -171,6 +177,17 @@ def build_engine(
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
     )
     return Engine(parts)
+
+
+def _offload_param_shards(units, offload) -> None:
+    """offload_param (stage 3): every unit's shard lives in host memory between gathers."""
+    device = offload.device if offload is not None else "none"
+    if device == "nvme":
+        raise ConfigError('offload_param device "nvme" is not supported yet: use "device": "cpu" (parameter '
+                          'shards in host memory; offload_optimizer can still use nvme)')
+    if device == "cpu":
+        for u in units:
+            u.keep_shard_on_host(bool(offload.pin_memory))
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

@@ -281,14 +281,21 @@ class Engine:
         return self._p.comms_logger.summary()
 
     def memory_breakdown(self) -> Dict[str, int]:
-        """Bytes of model states this rank holds, counted from the tensors themselves."""
-        params = 0
+        """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
+        (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
+        params = host_params = 0
         seen = set()
         for unit in self._p.master.units:
-            held = unit.full if unit.full is not None and unit.full.numel() else unit.shard
-            if held.data_ptr() not in seen:
-                seen.add(held.data_ptr())
-                params += held.numel() * held.element_size()
+            held = [unit.full] if unit.full is not None and unit.full.numel() else []
+            if unit.shard_on_host or not held:
+                held.append(unit.shard)  # offload_param: the host shard exists also while gathered
+            for t in held:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    if unit.shard_on_host and t is unit.shard:
+                        host_params += t.numel() * t.element_size()
+                    else:
+                        params += t.numel() * t.element_size()
         master = self._p.master.held_bytes()
         out = {
             "parameters": params,
@@ -297,6 +304,10 @@ class Engine:
             "optimizer_states": master["optimizer"],
         }
         out["total"] = sum(out.values())
+        # held off the device (offload_param / offload_optimizer): not in "total"
+        out["offloaded_parameters"] = host_params
+        out["offloaded_master_weights"] = master.get("offloaded_master", 0)
+        out["offloaded_optimizer_states"] = master.get("offloaded_optimizer", 0)
         if self.device.type == "cuda":
             out["allocator_peak"] = torch.cuda.max_memory_allocated(self.device)
             out["allocator_current"] = torch.cuda.memory_allocated(self.device)

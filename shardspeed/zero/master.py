@@ -56,14 +56,16 @@ class MasterWeights:
         groups: Dict[int, List[torch.Tensor]] = {}
         self.trainable_pieces = []  # per unit: the pieces of parameters that require grad
         for unit in self.units:
-            pieces = [pc for pc in unit.pieces if unit.params[pc.param_index].requires_grad]
+            # parameters the optimizer was not given (frozen, or left out of model_parameters) stay as they are
+            pieces = [pc for pc in unit.pieces
+                      if unit.params[pc.param_index].requires_grad and id(unit.params[pc.param_index]) in group_of_param]
             self.trainable_pieces.append(pieces)
             if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
                 self.masters.append(None)
                 self.piece_tensors.append([])
                 continue
             device = master_device or unit.device
-            aliases = unit.dtype == torch.float32 and device == unit.device
+            aliases = unit.dtype == torch.float32 and device == unit.device and not unit.shard_on_host
             master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
             self.masters.append(master)
             views = []

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -129,6 +130,7 @@ class ParamManager:
         for m, idx in needs.items():
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
+        self._hooks.append(root.register_state_dict_post_hook(_warn_sharded_state_dict))
 
     # ---- gather / release ------------------------------------------------------------------------
     def _gather(self, index: int) -> None:
@@ -152,7 +154,8 @@ class ParamManager:
         except ValueError:
             return
         self._pos[self._phase] = pos
-        budget = self.prefetch_numel
+        live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
+        budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
         for nxt in order[pos + 1 :]:
             u = self.units[nxt]
             if u.state is UnitState.GATHERED or u.gathering:
@@ -255,6 +258,21 @@ class ParamManager:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """``model.state_dict()`` at stage 3 holds empty placeholders: say so instead of saving nothing."""
+    for name, p in module.named_parameters():
+        t = state_dict.get(prefix + name)
+        if t is not None and t.numel() == 0 and getattr(p, "_shardspeed_unit", None) is not None:
+            warnings.warn(
+                "model.state_dict() at ZeRO stage 3 contains empty tensors: parameters are sharded across "
+                "ranks. Use engine.save_checkpoint(...) and `shardspeed consolidate`, "
+                "engine.save_16bit_model(...), or read parameters inside "
+                "shardspeed.zero.GatheredParameters(...) on every rank.",
+                stacklevel=3,
+            )
+            return
 
 
 def _flatten_tensors(obj) -> List[torch.Tensor]:

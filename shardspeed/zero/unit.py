@@ -27,6 +27,8 @@ class FlatParamUnit:
     of ``full``; nothing else about the parameters changes (same objects, same ``requires_grad``).
     """
 
+    shard_on_host = False  # offload_param (stage 3): ``shard`` is a host buffer, see ShardedParamUnit
+
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
         if not params:
             raise ValueError("a unit needs at least one parameter")
@@ -53,6 +55,13 @@ class FlatParamUnit:
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    def shard_on_device(self) -> torch.Tensor:
+        """This rank's chunk on the compute device, for a collective: the shard itself, or with
+        offload_param a fresh device copy of the host shard (asynchronous from pinned memory)."""
+        if not self.shard_on_host:
+            return self.shard
+        return self.shard.to(self.device, copy=True, non_blocking=True)
 
     @property
     def pieces(self) -> List[Piece]:
@@ -86,7 +95,7 @@ class ShardedParamUnit(FlatParamUnit):
                  group=None):
         from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
 
-        self._pending = None  # (buffer, CommHandle) of an asynchronous gather in flight
+        self._pending = None  # (buffer, CommHandle, source) of an asynchronous gather in flight
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
             self.shard = self.shard.clone()  # own storage: the full buffer is about to go
@@ -116,6 +125,18 @@ class ShardedParamUnit(FlatParamUnit):
             p.data = self._placeholder
         self.state = UnitState.SHARDED
 
+    def keep_shard_on_host(self, pin_memory: bool = True) -> None:
+        """offload_param: move the shard into host memory (page-locked when CUDA is present). It is copied to
+        the device only to be all-gathered; the optimizer writes the updated shard back into it. On a
+        CPU-only machine this is still a separate buffer, so the same path runs."""
+        if self.shard_on_host:
+            return
+        host = torch.empty(self.shard.shape, dtype=self.dtype, device="cpu",
+                           pin_memory=bool(pin_memory) and torch.cuda.is_available())
+        host.copy_(self.shard)
+        self.shard = host
+        self.shard_on_host = True
+
     def release(self) -> None:
         if self.state is UnitState.SHARDED:
             return
@@ -130,7 +151,8 @@ class ShardedParamUnit(FlatParamUnit):
             return
         self._check_untouched()
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self._pending = (full, comm.all_gather(full, self.shard, async_op=True))
+        src = self.shard_on_device()  # offload_param: the host→device copy, kept alive until finish_gather
+        self._pending = (full, comm.all_gather(full, src, async_op=True), src)
 
     def _check_untouched(self) -> None:
         """A sharded parameter whose ``.data`` was replaced was edited outside GatheredParameters."""
@@ -149,7 +171,7 @@ class ShardedParamUnit(FlatParamUnit):
             return
         if self._pending is None:
             raise RuntimeError(f"unit {self.index}: finish_gather without start_gather")
-        full, handle = self._pending
+        full, handle, _ = self._pending
         handle.wait()
         self._pending = None
         self.full = full

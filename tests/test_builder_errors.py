@@ -1,0 +1,36 @@
+"""Mistakes in initialize() arguments fail at once with one clear line, before anything is changed."""
+import pytest
+import torch
+
+import shardspeed
+from shardspeed.errors import ConfigError
+from models import make_model
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def _init(**kw):
+    return shardspeed.initialize(model=make_model("mlp"), **kw)
+
+
+def test_no_optimizer_anywhere():
+    with pytest.raises(ConfigError, match="no optimizer"):
+        _init(config=BASE)
+
+
+def test_two_optimizers():
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = dict(BASE, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    with pytest.raises(ConfigError, match="two optimizers"):
+        shardspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(ConfigError, match="torch.nn.Module"):
+        shardspeed.initialize(model=lambda x: x, config=dict(BASE, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+
+
+def test_mpu_is_refused_clearly():
+    with pytest.raises(ConfigError, match="mpu"):
+        shardspeed.initialize(model=make_model("mlp"), mpu=object(), config=BASE)
