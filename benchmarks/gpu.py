@@ -259,7 +259,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a and b else None
 
 
-def table(rows: List[dict]) -> str:
+def table(rows: List[dict], anchors: bool = True) -> str:
     by = {r["system"]: r for r in rows}
     f = lambda v, fmt="{:.2f}": fmt.format(v) if v is not None else "–"  # noqa: E731
     out = ["| system | s/step (median, min-max) | tokens/s | TFLOP/s | peak GiB | tok/s vs FSDP2 | vs DeepSpeed same | "
@@ -272,7 +272,7 @@ def table(rows: List[dict]) -> str:
         peer = "ds" + s[2:] if s.startswith("ss") else None
         fs = by.get("fsdp2", {})
         ds = by.get(peer, {}) if peer else {}
-        anchor = ANCHORS.get(s) or (ANCHORS.get(peer) if peer else None)
+        anchor = (ANCHORS.get(s) or (ANCHORS.get(peer) if peer else None)) if anchors else None
         out.append(
             f"| {s} | {r['s_per_step']:.3f} ({r['min_s_per_step']:.3f}-{r['max_s_per_step']:.3f}) "
             f"| {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {f(r.get('peak_gib'), '{:.1f}')} "
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
                   f"loss {r['losses'][-1]:.4f} ({r['wall_s']}s)", flush=True)
         else:
             print(f"{s}: {r['status']}: {r.get('message', '')}", flush=True)
-    text = table(rows)
+    text = table(rows, anchors=not args.dry_run)  # the anchors are 1.3B-on-H200 figures
     print(text)
     meta = {"command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "wall_s": round(time.time() - t0, 1), "dry_run": args.dry_run,
