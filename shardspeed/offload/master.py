@@ -31,7 +31,7 @@ import torch
 from ..dist.comms import Collectives
 from ..errors import ConfigError
 from ..zero.layout import Piece
-from ..zero.master import MasterWeights, StepResult
+from ..zero.master import MasterWeights, StepResult, trainable_pieces
 from ..zero.reducer import GradientReducer
 from ..zero.unit import FlatParamUnit
 from .cpu_adam import adam_step, hyper_of, is_adam_family
@@ -100,9 +100,8 @@ class OffloadedMasterWeights(MasterWeights):
         self.plan = plan
         self.step_count = 0
 
-        # pieces of parameters that require grad (a stage-3 unit may hold frozen ones: never stepped)
-        self.trainable_pieces = [[pc for pc in u.pieces if u.params[pc.param_index].requires_grad]
-                                 for u in self.units]
+        # the pieces the optimizer owns (a stage-3 unit may hold frozen ones: never stepped)
+        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
         # the param groups with elements in this rank's chunks, as the base class builds them
         group_ids = sorted({group_of_param[id(u.params[pc.param_index])]
                             for u, tp in zip(self.units, self.trainable_pieces) for pc in tp})

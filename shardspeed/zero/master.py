@@ -19,8 +19,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..dist.comms import Collectives
+from .layout import Piece
 from .reducer import GradientReducer
 from .unit import FlatParamUnit
+
+
+def trainable_pieces(units: Sequence[FlatParamUnit], group_of_param: Dict[int, int]) -> List[List[Piece]]:
+    """Per unit, the pieces the optimizer owns: parameters it was not given (frozen, or left out of
+    ``model_parameters``) stay as they are."""
+    return [[pc for pc in u.pieces if u.params[pc.param_index].requires_grad
+             and id(u.params[pc.param_index]) in group_of_param] for u in units]
 
 
 @dataclass
@@ -54,12 +62,8 @@ class MasterWeights:
         self.masters: List[torch.Tensor] = []
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
-        self.trainable_pieces = []  # per unit: the pieces of parameters that require grad
-        for unit in self.units:
-            # parameters the optimizer was not given (frozen, or left out of model_parameters) stay as they are
-            pieces = [pc for pc in unit.pieces
-                      if unit.params[pc.param_index].requires_grad and id(unit.params[pc.param_index]) in group_of_param]
-            self.trainable_pieces.append(pieces)
+        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
+        for unit, pieces in zip(self.units, self.trainable_pieces):
             if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
                 self.masters.append(None)
                 self.piece_tensors.append([])
