@@ -112,33 +112,58 @@ class MasterWeights:
         coef = 1.0 / loss_scale
         if clip > 0:
             coef *= min(1.0, clip / (norm + 1e-6))
-        for ui, (g, views) in enumerate(zip(grads, self.piece_tensors)):
-            if not views:
-                continue
-            if g is None:
-                g = torch.zeros_like(self.masters[ui])
-            if coef != 1.0:
-                g.mul_(coef)
-            for piece, view in zip(self.trainable_pieces[ui], views):
-                view.grad = g[piece.chunk_start : piece.chunk_start + piece.numel]
-        self.optimizer.step()
-        for views in self.piece_tensors:
-            for view in views:
-                view.grad = None
-        self.sync_params_from_masters()
+        if self.gather_after_step and len(self.units) > 1:
+            # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
+            # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces)
+            handles = []
+            for ui in range(len(self.units)):
+                self._attach_grads(ui, grads[ui], coef)
+                self.optimizer.step()
+                self._detach_grads(ui)
+                self._write_back(ui)
+                handles.append(self.comm.all_gather(self.units[ui].full, self.units[ui].shard, async_op=True))
+            for h in handles:
+                h.wait()
+        else:
+            for ui in range(len(self.units)):
+                self._attach_grads(ui, grads[ui], coef)
+            self.optimizer.step()
+            for ui in range(len(self.units)):
+                self._detach_grads(ui)
+            self.sync_params_from_masters()
         return StepResult(False, norm)
+
+    def _attach_grads(self, ui: int, g: Optional[torch.Tensor], coef: float) -> None:
+        views = self.piece_tensors[ui]
+        if not views:
+            return
+        if g is None:
+            g = torch.zeros_like(self.masters[ui])
+        if coef != 1.0:
+            g.mul_(coef)
+        for piece, view in zip(self.trainable_pieces[ui], views):
+            view.grad = g[piece.chunk_start : piece.chunk_start + piece.numel]
+
+    def _detach_grads(self, ui: int) -> None:
+        for view in self.piece_tensors[ui]:
+            view.grad = None
+
+    def _write_back(self, ui: int) -> None:
+        """Copy unit ``ui``'s updated master into its low-precision chunk (frozen elements untouched)."""
+        unit, master, pieces = self.units[ui], self.masters[ui], self.trainable_pieces[ui]
+        if master is None or master.data_ptr() == unit.shard.data_ptr():
+            return
+        if len(pieces) == len(unit.pieces):
+            unit.shard.copy_(master)
+        else:
+            for pc in pieces:
+                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
+                unit.shard[sl].copy_(master[sl])
 
     def sync_params_from_masters(self) -> None:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
-        for unit, master, pieces in zip(self.units, self.masters, self.trainable_pieces):
-            if master is None or master.data_ptr() == unit.shard.data_ptr():
-                continue
-            if len(pieces) == len(unit.pieces):
-                unit.shard.copy_(master)
-            else:  # leave frozen parameters' elements alone
-                for pc in pieces:
-                    sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                    unit.shard[sl].copy_(master[sl])
+        for ui in range(len(self.units)):
+            self._write_back(ui)
         if self.gather_after_step:
             handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
             for h in handles:
