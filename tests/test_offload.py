@@ -34,8 +34,9 @@ def _config(stage: int, gas: int, dtype: str, offload: str, nvme_path: str, *, o
     if optimizer == "SGD":
         cfg["optimizer"]["params"]["momentum"] = 0.9
     offload, _, param = offload.partition("+")  # "cpu+param": offload_param cpu as well (stage 3)
-    if param:
-        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if param:  # "+pnvme": offload_param nvme (shards in a file under nvme_path)
+        cfg["zero_optimization"]["offload_param"] = ({"device": "nvme", "nvme_path": nvme_path} if param == "pnvme"
+                                                     else {"device": "cpu", "pin_memory": True})
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if offload != "none":
         offload, _, ratio = offload.partition("@")  # "cpu@0.5": ratio 0.5 (stage 3)
@@ -82,6 +83,17 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
            "scale": engine.loss_scale}
     master = engine._p.master
     out["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in master.units)
+    pf = getattr(master, "param_file", None)
+    if pf is not None:  # offload_param nvme: the file holds every shard, none is kept in memory
+        out["pfile_dir"], out["pfile_list"] = pf.dir, sorted(os.listdir(pf.dir))
+        with open(pf.path, "rb") as f:
+            raw = f.read()
+        out["pfile_size"] = len(raw)
+        out["pfile_holds_shards"] = all(
+            u._shard is None and u.shard_in_file and torch.equal(
+                torch.frombuffer(bytearray(raw[pf.offsets[u.index]: pf.offsets[u.index] + u.shard.numel()
+                                               * u.shard.element_size()]), dtype=u.dtype), u.shard)
+            for u in master.units)
     out["shards_on_host"] = [u.shard_on_host and u.shard.device.type == "cpu" for u in master.units]
     if hasattr(master, "host_store") and master.host_store is not None and hasattr(master.host_store, "dir"):
         out["nvme_dir"] = master.host_store.dir
@@ -93,7 +105,7 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
         out["pool_bytes"] = master.host_store.buffer_bytes
         out["pool_bound"] = cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] * 3 * 4 * \
             cfg["zero_optimization"]["sub_group_size"]
-        master.close()
+    master.close()
     return out
 
 
@@ -115,7 +127,18 @@ def _cases():
         ("mlp", 3, 1, "fp32", "cpu+param"),
         ("tied", 3, 2, "fp32", "nvme+param"),
         ("mlp", 3, 2, "bf16", "cpu+param"),
+        # offload_param nvme: parameter shards in a file, alone and with optimizer offload
+        ("mlp", 3, 2, "fp32", "none+pnvme"),
+        ("mlp", 3, 1, "fp32", "nvme+pnvme"),
+        ("tied", 3, 2, "fp32", "cpu+pnvme"),
+        ("mlp", 3, 2, "bf16", "nvme+pnvme"),
     ]
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def _run_all(nvme_path: str) -> list:
@@ -131,9 +154,11 @@ def _run_all(nvme_path: str) -> list:
     from shardspeed.errors import ConfigError
     with pytest.raises(ConfigError, match="supports Adam and AdamW"):
         _train("mlp", _config(2, 1, "fp32", "nvme", nvme_path, optimizer="SGD"), 1)
+    not_a_dir = os.path.join(nvme_path, f"a-file-{dist_rank()}")
+    open(not_a_dir, "w").close()
     cfg = _config(3, 1, "fp32", "none", nvme_path)
-    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
-    with pytest.raises(ConfigError, match="offload_param device \"nvme\" is not supported yet: use"):
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": not_a_dir}
+    with pytest.raises(ConfigError, match="nvme_path .* (cannot be created|is not a directory)"):
         _train("mlp", cfg, 1)
     # one pool buffer (no read-ahead) and no clipping still match
     ref = _train("mlp", _config(1, 1, "fp32", "none", nvme_path, clip=0.0), 1)
@@ -157,6 +182,13 @@ def test_offload_matches_no_offload(tmp_path):
             if dtype == "fp16":
                 assert 1 <= ref["skipped"] < STEPS, f"{case}: skipped {ref['skipped']} of {STEPS} steps"
                 assert got["scale"] == ref["scale"]
+            if case[4].endswith("+pnvme"):  # parameter shards in the file only: none in memory, none counted
+                assert got["pfile_list"] == ["params.bin"] and got["pfile_holds_shards"], case
+                assert got["pfile_size"] >= got["shard_bytes"] > 0, case
+                assert not os.path.exists(got["pfile_dir"]), "close() removes the parameter file"
+                assert got["mem"]["parameters"] == 0 and got["mem"]["offloaded_parameters"] == 0, (case, got["mem"])
+                if case[4].startswith("none"):
+                    continue
             if case[4].endswith("+param"):  # parameter shards counted on the host, none left on the device
                 assert all(got["shards_on_host"]) and not any(ref["shards_on_host"]), case
                 assert got["mem"]["offloaded_parameters"] == got["shard_bytes"] > 0, (case, got["mem"])

@@ -1,4 +1,4 @@
-"""Checkpoints of offloaded optimizer state (offload_optimizer cpu / nvme; also with offload_param cpu).
+"""Checkpoints of offloaded optimizer state (offload_optimizer cpu / nvme; also with offload_param cpu / nvme).
 
 Three process groups: world 2 trains and saves (offload cpu and nvme at stages 1-3, plus the reference
 straight runs); world 1 loads an offloaded checkpoint without offload (2→1) and saves one without offload;
@@ -15,7 +15,9 @@ from distributed import run_distributed
 from models import make_batches, make_model
 from test_checkpoint import GLOBAL_BATCH, K, _seed_all, _steps
 
-RESUME = [(s, d) for s in (1, 2, 3) for d in ("cpu", "nvme")] + [(3, "nvme+param")]  # +param: offload_param cpu
+# +param: offload_param cpu; +pnvme: offload_param nvme (parameter shards in a file)
+RESUME = [(s, d) for s in (1, 2, 3) for d in ("cpu", "nvme")] + [(3, "nvme+param"), (3, "nvme+pnvme")]
+FROM_PLAIN = ((2, "nvme"), (3, "cpu"), (3, "cpu+pnvme"))
 
 
 def _config(stage: int, world: int, offload: str, nvme: str) -> dict:
@@ -30,7 +32,8 @@ def _config(stage: int, world: int, offload: str, nvme: str) -> dict:
     }
     offload, _, param = offload.partition("+")
     if param:
-        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme} if param == "pnvme" \
+            else {"device": "cpu"}
     if offload != "none":
         block = {"device": offload, "buffer_count": 2}
         if offload == "nvme":
@@ -136,7 +139,7 @@ def _resume_group(root: str) -> dict:
     out = {}
     for stage, dev in RESUME:
         out[(stage, dev)] = _continue(os.path.join(root, f"s{stage}-{dev}"), stage, dev, nvme, noise=True)
-    for stage, dev in ((2, "nvme"), (3, "cpu")):
+    for stage, dev in FROM_PLAIN:
         out[("from_plain", stage, dev)] = _continue(os.path.join(root, "plain-w1"), stage, dev, nvme, noise=False)
     return out
 
@@ -181,5 +184,51 @@ def test_offloaded_checkpoints(tmp_path):
     assert w1["from_nvme_s3"]["steps"] == K
     close(w1["from_nvme_s3"], ref["straight"][K:], ref["params"], "2→1 nvme s3 → plain s1")
     # no offload → offload, world 1 → 2: continues like the world-1 run
-    for stage, dev in ((2, "nvme"), (3, "cpu")):
+    for stage, dev in FROM_PLAIN:
         close(resumed[0][("from_plain", stage, dev)], w1["straight"][K:], w1["params"], f"1→2 {dev} s{stage}")
+
+
+def _frozen_pnvme_group(root: str) -> list:
+    import torch.distributed as dist
+
+    import shardspeed
+    from models import micro_batch
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "nvme", "nvme_path": os.path.join(root, "nvme")}}}
+
+    def engine(seed):
+        m = make_model("mlp_frozen", seed)
+        e, *_ = shardspeed.initialize(model=m, model_parameters=[p for p in m.parameters() if p.requires_grad],
+                                      config=cfg)
+        return e
+
+    def params(e):
+        with shardspeed.zero.GatheredParameters(list(e.module.parameters())):
+            return {n: p.detach().clone() for n, p in e.module.named_parameters()}
+
+    e = engine(0)
+    for b in make_batches("mlp_frozen", 2, 2 * dist.get_world_size()):
+        x, y = micro_batch(b, dist.get_rank(), dist.get_world_size(), 0, 1)
+        e.backward(e(x, y))
+        e.step()
+    e.save_checkpoint(os.path.join(root, "ck"))
+    saved = params(e)
+    frozen = [n for n, p in e.module.named_parameters() if not p.requires_grad]
+    _close(e)
+    e = engine(5)  # other weights, frozen ones included: they must come from the checkpoint (into the file)
+    before = params(e)
+    e.load_checkpoint(os.path.join(root, "ck"))
+    loaded = params(e)
+    _close(e)
+    dist.barrier()  # both ranks closed: the directory is empty again
+    return [frozen, any(not torch.equal(saved[n], before[n]) for n in frozen),
+            all(torch.equal(saved[n], loaded[n]) for n in saved), os.listdir(os.path.join(root, "nvme"))]
+
+
+def test_param_nvme_frozen_checkpoint(tmp_path):
+    """offload_param nvme with frozen parameters (saved from, and loaded into, the parameter file)."""
+    for frozen, differed, equal, left in run_distributed(_frozen_pnvme_group, 2, str(tmp_path), timeout=300):
+        assert frozen and differed and equal
+        assert left == [], "close() removes the parameter files"

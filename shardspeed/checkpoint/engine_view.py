@@ -154,12 +154,18 @@ class EngineView:
         out = []
         for ui, u in enumerate(self.units):
             trainable = {(pc.param_index, pc.param_start) for pc in self._trainable_pieces(ui, u)}
-            out.append([
-                (self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end,
-                 u.shard[pc.chunk_start : pc.chunk_start + pc.numel])
-                for pc in u.pieces if (pc.param_index, pc.param_start) not in trainable
-            ])
+            frozen = [pc for pc in u.pieces if (pc.param_index, pc.param_start) not in trainable]
+            shard = u.shard if frozen else None  # offload_param nvme: one read; store_frozen writes it back
+            out.append([(self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end,
+                         shard[pc.chunk_start : pc.chunk_start + pc.numel]) for pc in frozen])
         return out
+
+    @staticmethod
+    def store_frozen(unit, views) -> None:
+        """After loading into the views of :meth:`frozen_pieces`: with offload_param nvme they are views of
+        a copy read from the file, written back here (elsewhere they are the shard itself: nothing to do)."""
+        if unit.shard_in_file and views:
+            unit.write_shard(views[0]._base if views[0]._base is not None else views[0])
 
     def writes_unit(self, unit) -> bool:
         """Whether this rank saves the unit's pieces: every rank its own chunk when sharded, else rank 0."""

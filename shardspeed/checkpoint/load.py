@@ -48,10 +48,11 @@ def _load_weights(view: EngineView, index: EntryIndex, reader: ShardReader, pres
         for pc in pieces:
             if pc.name in present:
                 read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master)
-    for frozen in view.frozen_pieces():
+    for unit, frozen in zip(view.units, view.frozen_pieces()):
         for name, start, end, shard_view in frozen:
             if name in present:
                 read_range(reader, index, name, WEIGHT, start, end, out=shard_view)
+        view.store_frozen(unit, [f[3] for f in frozen])
     for name, t in view.other_params() + view.buffers():
         if name in present:
             flat = read_range(reader, index, name, WEIGHT, 0, t.numel(), dtype=t.dtype)

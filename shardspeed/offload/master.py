@@ -108,7 +108,7 @@ class OffloadedMasterWeights(MasterWeights):
         pos = {g: i for i, g in enumerate(group_ids)}
         unit_pieces = [[(pc.chunk_start, pc.numel, pos[group_of_param[id(u.params[pc.param_index])]])
                         for pc in tp] for u, tp in zip(self.units, self.trainable_pieces)]
-        chunk = [u.shard.numel() for u in self.units]
+        chunk = [u.layout.chunk_size for u in self.units]
         self.host_units, self.device_units = split_by_ratio(chunk, plan.ratio)
         on_host = set(self.host_units)
         nvme = plan.device == "nvme"
@@ -161,8 +161,11 @@ class OffloadedMasterWeights(MasterWeights):
             rank = self.units[0].rank if self.units else 0
             self.host_store = NvmeStateStore(plan.nvme_path, self.host_tiles, plan.buffer_count, plan.pin_memory,
                                              rank)
+            shard, shard_unit = None, None  # read each unit's shard once (offload_param nvme: from its file)
             for t in self.host_tiles:
-                self.host_store.initialize(t, self.units[t.unit].shard[t.lo : t.hi])
+                if t.unit != shard_unit:
+                    shard, shard_unit = self.units[t.unit].shard, t.unit
+                self.host_store.initialize(t, shard[t.lo : t.hi])
         else:
             self.host_store = MemoryStateStore({u: self.masters[u] for u in self.host_units
                                                 if self.masters[u] is not None})
@@ -216,7 +219,11 @@ class OffloadedMasterWeights(MasterWeights):
             if coef != 1.0:
                 g.mul_(coef)
             adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._device_step, hyper[t.group])
-            shard = self.units[t.unit].shard[t.lo : t.hi]
+            unit = self.units[t.unit]
+            if unit.shard_in_file:  # offload_param nvme
+                unit.write_shard(st.master, t.lo)
+                continue
+            shard = unit.shard[t.lo : t.hi]
             if shard.data_ptr() != st.master.data_ptr():
                 shard.copy_(st.master)
 
@@ -243,7 +250,12 @@ class OffloadedMasterWeights(MasterWeights):
                     g.mul_(coef)
                 adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._host_step, hyper[t.group],
                           self.plan.threads)
-                done = cp.to_device(k % 2, self.units[t.unit].shard[t.lo : t.hi], st.master)
+                unit = self.units[t.unit]
+                if unit.shard_in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
+                    unit.write_shard(st.master, t.lo)
+                    done = None
+                else:
+                    done = cp.to_device(k % 2, unit.shard[t.lo : t.hi], st.master)
                 store.release(t, st, done)
             store.flush()
         except BaseException:
@@ -267,7 +279,7 @@ class OffloadedMasterWeights(MasterWeights):
         """As the base, and with NVMe the master tiles are read from the files into the shards."""
         if isinstance(self.host_store, NvmeStateStore):
             for t in self.host_tiles:
-                self.units[t.unit].shard[t.lo : t.hi].copy_(self.host_store.read_state(t, "master", t.lo, t.hi))
+                self.units[t.unit].write_shard(self.host_store.read_state(t, "master", t.lo, t.hi), t.lo)
         super().sync_params_from_masters()
 
     # ---- checkpoints (tiled path): state by tile, through the store -----------------------------------
@@ -308,7 +320,7 @@ class OffloadedMasterWeights(MasterWeights):
                     "offloaded_optimizer": host["optimizer"]}
         dev = self.device_store.held_bytes()
         master_dev = sum(m.numel() * 4 for u, m in self.device_store.masters.items()
-                         if m.data_ptr() != self.units[u].shard.data_ptr())
+                         if self.units[u].shard_in_file or m.data_ptr() != self.units[u].shard.data_ptr())
         out = {"master": master_dev, "optimizer": dev["optimizer"]}
         host = self.host_store.held_bytes()
         out["offloaded_master"] = host["master"]
@@ -327,3 +339,4 @@ class OffloadedMasterWeights(MasterWeights):
         for s in (self.host_store, self.device_store):
             if s is not None:
                 s.close()
+        super().close()

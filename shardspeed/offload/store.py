@@ -94,7 +94,7 @@ class MemoryStateStore:
         pass
 
 
-def check_nvme_path(path: str, needed_bytes: int) -> str:
+def check_nvme_path(path: str, needed_bytes: int, what: str = "the optimizer state") -> str:
     """Create ``path`` if needed and check it is a writable directory with room for ``needed_bytes``.
 
     Raises :class:`ConfigError` naming the problem and the fix. Returns the absolute path.
@@ -112,8 +112,8 @@ def check_nvme_path(path: str, needed_bytes: int) -> str:
                           f"fix its permissions or choose another directory")
     free = shutil.disk_usage(path).free
     if free < needed_bytes:
-        raise ConfigError(f"offload nvme_path {path!r} has {free / 2**30:.2f} GiB free; the optimizer state "
-                          f"of this rank needs {needed_bytes / 2**30:.2f} GiB: free space or choose another disk")
+        raise ConfigError(f"offload nvme_path {path!r} has {free / 2**30:.2f} GiB free; this rank "
+                          f"needs {needed_bytes / 2**30:.2f} GiB for {what}: free space or choose another disk")
     return path
 
 

@@ -150,7 +150,7 @@ def build_engine(
     manager = None
     if stage == 3:
         units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
-        _offload_param_shards(units, zero.offload_param)
+        param_file = _offload_param_shards(units, zero.offload_param, topo.dp_rank)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
@@ -167,6 +167,7 @@ def build_engine(
                                **master_kwargs)
     if manager is not None:
         manager.master = master
+        master.param_file = param_file  # offload_param nvme: closed (files deleted) with the master
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
@@ -179,15 +180,21 @@ def build_engine(
     return Engine(parts)
 
 
-def _offload_param_shards(units, offload) -> None:
-    """offload_param (stage 3): every unit's shard lives in host memory between gathers."""
+def _offload_param_shards(units, offload, rank: int):
+    """offload_param (stage 3): every unit's shard lives in host memory (cpu) or in a file under
+    ``nvme_path`` (nvme) between gathers. Returns the NvmeParamFile (nvme) or None."""
     device = offload.device if offload is not None else "none"
     if device == "nvme":
-        raise ConfigError('offload_param device "nvme" is not supported yet: use "device": "cpu" (parameter '
-                          'shards in host memory; offload_optimizer can still use nvme)')
+        from ..offload.param_file import NvmeParamFile
+
+        param_file = NvmeParamFile(offload.nvme_path, units, rank)
+        for u in units:
+            u.keep_shard_in_file(param_file)
+        return param_file
     if device == "cpu":
         for u in units:
             u.keep_shard_on_host(bool(offload.pin_memory))
+    return None
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

@@ -287,7 +287,9 @@ class Engine:
         seen = set()
         for unit in self._p.master.units:
             held = [unit.full] if unit.full is not None and unit.full.numel() else []
-            if unit.shard_on_host or not held:
+            if unit.shard_in_file:  # offload_param nvme: the shard is in a file (not counted)
+                pass
+            elif unit.shard_on_host or not held:
                 held.append(unit.shard)  # offload_param: the host shard exists also while gathered
             for t in held:
                 if t.data_ptr() not in seen:

@@ -44,7 +44,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
         for (unit, manager), was_gathered in zip(units, already):
             if modifier_rank is not None:
                 manager.comm.broadcast(unit.full, modifier_rank)
-                unit.shard.copy_(unit.full[slice(*unit.layout.chunk_range(unit.rank))])
+                unit.write_shard(unit.full[slice(*unit.layout.chunk_range(unit.rank))])
                 if manager.master is not None:
                     manager.master.refresh_from_shard(unit.index)
             if not was_gathered:

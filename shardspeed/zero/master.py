@@ -151,7 +151,19 @@ class MasterWeights:
     def _write_back(self, ui: int) -> None:
         """Copy unit ``ui``'s updated master into its low-precision chunk (frozen elements untouched)."""
         unit, master, pieces = self.units[ui], self.masters[ui], self.trainable_pieces[ui]
-        if master is None or master.data_ptr() == unit.shard.data_ptr():
+        if master is None:
+            return
+        if unit.shard_in_file:  # offload_param nvme: write the file (read first when frozen parts stay)
+            if len(pieces) == len(unit.pieces):
+                unit.write_shard(master)
+                return
+            shard = unit.shard
+            for pc in pieces:
+                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
+                shard[sl].copy_(master[sl])
+            unit.write_shard(shard)
+            return
+        if master.data_ptr() == unit.shard.data_ptr():
             return
         if len(pieces) == len(unit.pieces):
             unit.shard.copy_(master)
@@ -173,15 +185,24 @@ class MasterWeights:
         """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master."""
         master = self.masters[unit_index]
         unit = self.units[unit_index]
-        if master is not None and master.data_ptr() != unit.shard.data_ptr():
-            master.copy_(unit.shard)
+        if master is not None:
+            shard = unit.shard  # offload_param nvme: read from the file
+            if master.data_ptr() != shard.data_ptr():
+                master.copy_(shard)
+
+    param_file = None  # offload_param nvme: the NvmeParamFile of the shards (set by the builder)
+
+    def close(self) -> None:
+        """Delete the offload files (offload_param nvme) now rather than at exit."""
+        if self.param_file is not None:
+            self.param_file.close()
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of master weights and optimizer state this rank holds (not counting aliases of params)."""
         master = sum(
             m.numel() * m.element_size()
             for m, u in zip(self.masters, self.units)
-            if m is not None and m.data_ptr() != u.shard.data_ptr()
+            if m is not None and (u.shard_in_file or m.data_ptr() != u.shard.data_ptr())
         )
         state = 0
         for st in self.optimizer.state.values():

@@ -28,6 +28,7 @@ class FlatParamUnit:
     """
 
     shard_on_host = False  # offload_param (stage 3): ``shard`` is a host buffer, see ShardedParamUnit
+    shard_in_file = False  # offload_param nvme: ``shard`` is a fresh copy read from a file; use write_shard
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
         if not params:
@@ -61,7 +62,14 @@ class FlatParamUnit:
         offload_param a fresh device copy of the host shard (asynchronous from pinned memory)."""
         if not self.shard_on_host:
             return self.shard
+        if self.shard_in_file:  # a temporary host copy read from the file, moved (synchronously)
+            return self.shard.to(self.device)
         return self.shard.to(self.device, copy=True, non_blocking=True)
+
+    def write_shard(self, t: torch.Tensor, lo: int = 0) -> None:
+        """Store ``t`` as elements ``[lo, lo + t.numel())`` of this rank's chunk (cast to the unit's dtype).
+        Code that changes the shard goes through here, so offload_param nvme writes the file."""
+        self.shard[lo : lo + t.numel()].copy_(t.reshape(-1))
 
     @property
     def pieces(self) -> List[Piece]:
@@ -95,6 +103,7 @@ class ShardedParamUnit(FlatParamUnit):
                  group=None):
         from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
 
+        self._param_file = None  # offload_param nvme: the NvmeParamFile holding the shard
         self._pending = None  # (buffer, CommHandle, source) of an asynchronous gather in flight
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
@@ -136,6 +145,36 @@ class ShardedParamUnit(FlatParamUnit):
         host.copy_(self.shard)
         self.shard = host
         self.shard_on_host = True
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's chunk. With offload_param nvme: a fresh host copy read from the file (writes into
+        it are not stored: use :meth:`write_shard`)."""
+        if self._param_file is not None:
+            return self._param_file.read(self)
+        return self._shard
+
+    @shard.setter
+    def shard(self, t: torch.Tensor) -> None:
+        self._shard = t
+
+    def keep_shard_in_file(self, param_file) -> None:
+        """offload_param nvme: write the shard into ``param_file`` (an NvmeParamFile) and drop it from
+        memory. It is read back into a temporary buffer when gathered (and by masters and checkpoints) and
+        written back after the optimizer step."""
+        if self.shard_in_file:
+            return
+        param_file.write(self, self._shard)
+        self._shard = None
+        self._param_file = param_file
+        self.shard_on_host = True
+        self.shard_in_file = True
+
+    def write_shard(self, t: torch.Tensor, lo: int = 0) -> None:
+        if self._param_file is not None:
+            self._param_file.write(self, t, lo)
+        else:
+            super().write_shard(t, lo)
 
     def release(self) -> None:
         if self.state is UnitState.SHARDED:
