@@ -284,20 +284,20 @@ class Engine:
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
         params = host_params = 0
-        seen = set()
+        seen = set()  # storages already counted (a stage 0-2 shard is a view of its unit's full buffer)
         for unit in self._p.master.units:
-            held = [unit.full] if unit.full is not None and unit.full.numel() else []
-            if unit.shard_in_file:  # offload_param nvme: the shard is in a file (not counted)
-                pass
-            elif unit.shard_on_host or not held:
-                held.append(unit.shard)  # offload_param: the host shard exists also while gathered
-            for t in held:
-                if t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    if unit.shard_on_host and t is unit.shard:
-                        host_params += t.numel() * t.element_size()
-                    else:
-                        params += t.numel() * t.element_size()
+            held = [(unit.full, False)] if unit.full is not None and unit.full.numel() else []
+            if not unit.shard_in_file:  # offload_param nvme: the shard is in a file (not counted)
+                held.append((unit.shard, unit.shard_on_host))
+            for t, on_host in held:
+                key = t.untyped_storage().data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                if on_host:
+                    host_params += t.numel() * t.element_size()
+                else:
+                    params += t.numel() * t.element_size()
         master = self._p.master.held_bytes()
         out = {
             "parameters": params,
