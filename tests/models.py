@@ -1,8 +1,7 @@
 """Small models and a plain-torch reference training loop shared by the parity tests."""
 from __future__ import annotations
 
-import copy
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn as nn

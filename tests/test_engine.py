@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch, reference_train
+from models import make_batches, make_model, micro_batch
 
 
 def _cfg(stage, **extra):

@@ -6,7 +6,6 @@ import io
 import logging
 import os
 import time
-import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch

@@ -19,23 +19,12 @@ from typing import Dict, Sequence
 
 import torch
 
-from ..errors import ConfigError, ShardspeedError
-from .store import check_nvme_path
+from ..errors import ConfigError
+from .store import _rw_all, check_nvme_path
 
 logger = logging.getLogger("shardspeed")
 
 _ALIGN = 4096
-
-
-def _rw_bytes(fn, fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
-    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # uint8 view: works for bf16/fp16 too
-    done = 0
-    while done < len(view):
-        n = fn(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise ShardspeedError(f"NVMe parameter offload: short {what} at byte {offset + done} (disk full or "
-                                  f"file truncated?)")
-        done += n
 
 
 class NvmeParamFile:
@@ -73,7 +62,7 @@ class NvmeParamFile:
         """A fresh host copy of the unit's shard (writing into it does not change the file)."""
         out = torch.empty(unit.layout.chunk_size, dtype=unit.dtype)
         if out.numel():
-            _rw_bytes(os.preadv, self.fd, out, self.offsets[unit.index], "read")
+            _rw_all(os.preadv, self.fd, out, self.offsets[unit.index], "read")
         return out
 
     def write(self, unit, t: torch.Tensor, lo: int = 0) -> None:
@@ -83,7 +72,7 @@ class NvmeParamFile:
                              f"{unit.layout.chunk_size} elements")
         src = t.detach().reshape(-1).to(device="cpu", dtype=unit.dtype).contiguous()
         if src.numel():
-            _rw_bytes(os.pwritev, self.fd, src, self.offsets[unit.index] + lo * src.element_size(), "write")
+            _rw_all(os.pwritev, self.fd, src, self.offsets[unit.index] + lo * src.element_size(), "write")
 
     @staticmethod
     def _cleanup(fd: int, directory: str) -> None:

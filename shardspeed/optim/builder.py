@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Type
 
 import torch
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
