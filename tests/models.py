@@ -105,3 +105,31 @@ def reference_train(kind: str, batches: List[tuple], lr: float, clip: float, dty
             for n, m in masters.items():
                 named[n].copy_(m)
     return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+def train_global_losses(engine, kind: str, steps: int, gas: int) -> List[float]:
+    """Drive ``engine`` through ``steps`` optimizer steps of the shared batches (this rank's micro-batches)
+    and return each step's global mean loss (averaged over ranks and micro-batches)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for batch in make_batches(kind, steps, 2 * gas * world):
+        total = torch.zeros(())
+        for k in range(gas):
+            x, y = micro_batch(batch, rank, world, k, gas)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(float(total) / (gas * world))
+    return losses
+
+
+def gathered_params(engine) -> Dict[str, torch.Tensor]:
+    """fp32 copies of the engine's full parameters (stage 3: gathered, not placeholders)."""
+    import shardspeed.zero
+
+    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}

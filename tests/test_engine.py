@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch
+from models import gathered_params, make_batches, make_model, micro_batch
 
 
 def _cfg(stage, **extra):
@@ -25,11 +25,7 @@ def _cfg(stage, **extra):
     return cfg
 
 
-def _params(engine):
-    import shardspeed.zero
-
-    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+_params = gathered_params
 
 
 def _fp16_overflow_case(stage):

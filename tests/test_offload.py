@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch
+from models import gathered_params, make_model, train_global_losses
 
 STEPS = 4
 LR = 1e-2
@@ -52,11 +52,8 @@ def _config(stage: int, gas: int, dtype: str, offload: str, nvme_path: str, *, o
 
 
 def _train(kind: str, cfg: dict, gas: int) -> dict:
-    import torch.distributed as dist
-
     import shardspeed
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(kind)
     groups = None
     if kind == "mlp":  # two param groups: weight decay on matrices only
@@ -64,20 +61,8 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
         rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
         groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
     engine, *_ = shardspeed.initialize(model=model, model_parameters=groups, config=cfg)
-    batches = make_batches(kind, STEPS, 2 * gas * world)
-    losses = []
-    for batch in batches:
-        total = torch.zeros(())
-        for k in range(gas):
-            x, y = micro_batch(batch, rank, world, k, gas)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(float(total) / (gas * world))
-    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole, not placeholders
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    losses = train_global_losses(engine, kind, STEPS, gas)
+    params = gathered_params(engine)
     assert all(p.numel() for p in params.values())
     out = {"losses": losses, "params": params, "skipped": engine.skipped_steps, "mem": engine.memory_breakdown(),
            "scale": engine.loss_scale}

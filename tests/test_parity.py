@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch, reference_train
+from models import gathered_params, make_batches, make_model, reference_train, train_global_losses
 
 STEPS = 4
 LR = 1e-2
@@ -39,26 +39,11 @@ def _train_case(kind: str, stage: int, gas: int, dtype: str) -> dict:
     import torch.distributed as dist
 
     import shardspeed
-    import shardspeed.zero
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model(kind)
-    engine, *_ = shardspeed.initialize(model=model, config=_config(stage, gas, world, dtype))
-    batches = make_batches(kind, STEPS, 2 * gas * world)
-    losses = []
-    for batch in batches:
-        total = torch.zeros(())
-        for k in range(gas):
-            x, y = micro_batch(batch, rank, world, k, gas)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(float(total) / (gas * world))
-    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "steps": engine.global_steps, "micro": engine.micro_steps}
+    engine, *_ = shardspeed.initialize(model=make_model(kind), config=_config(stage, gas, dist.get_world_size(), dtype))
+    losses = train_global_losses(engine, kind, STEPS, gas)
+    return {"losses": losses, "params": gathered_params(engine), "steps": engine.global_steps,
+            "micro": engine.micro_steps}
 
 
 def _cases(world: int):
