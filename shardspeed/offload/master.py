@@ -91,12 +91,7 @@ class OffloadedMasterWeights(MasterWeights):
     ):
         if plan.device not in ("cpu", "nvme"):
             raise ConfigError(f"offload device must be 'cpu' or 'nvme', got {plan.device!r}")
-        self.units = list(units)
-        self.reducer = reducer
-        self.comm = collectives
-        self.sharded = sharded
-        self.gather_after_step = gather_after_step
-        self.check_overflow = check_overflow
+        self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
         self.plan = plan
         self.step_count = 0
 

@@ -53,12 +53,7 @@ class MasterWeights:
         check_overflow: bool,
         master_device: Optional[torch.device] = None,
     ):
-        self.units = list(units)
-        self.reducer = reducer
-        self.comm = collectives
-        self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
-        self.gather_after_step = gather_after_step
-        self.check_overflow = check_overflow
+        self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
         self.masters: List[torch.Tensor] = []
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
@@ -80,6 +75,16 @@ class MasterWeights:
             self.piece_tensors.append(views)
         self.group_indices = sorted(groups)
         self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
+
+    def _bind(self, units, reducer, collectives, sharded: bool, gather_after_step: bool,
+              check_overflow: bool) -> None:
+        """The parts and decisions every master-weight variant (on the device or offloaded) starts from."""
+        self.units = list(units)
+        self.reducer = reducer
+        self.comm = collectives
+        self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
+        self.gather_after_step = gather_after_step
+        self.check_overflow = check_overflow
 
     # ------------------------------------------------------------------------------------------
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
