@@ -7,11 +7,12 @@ launch to completion). ``CommHandle.wait()`` is the host sync point of an asynch
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections import OrderedDict
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,16 @@ _RING_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    # object collectives: msg_bytes is this rank's pickled object (an estimate: torch pads and sends sizes too)
+    "all_gather_object": lambda n: (n - 1) / n,
+    "broadcast_object": lambda n: 1.0 if n > 1 else 0.0,
+    "barrier": lambda n: 0.0,
 }
 
 #: Messages of each op expressed in "model-size units": an all-reduce of Ψ counts as 2Ψ (it is a
 #: reduce-scatter plus an all-gather), as in the ZeRO paper's accounting.
-_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0,
+                 "all_gather_object": 1.0, "broadcast_object": 1.0, "barrier": 0.0}
 
 
 @dataclass
@@ -75,7 +81,11 @@ class CommsLogger:
         self._totals: Dict[str, Dict[str, float]] = OrderedDict()
 
     def start(self, op: str, tensor: torch.Tensor, world: int) -> CommRecord:
-        rec = CommRecord(op, tensor.numel() * tensor.element_size(), tensor.numel(), world, time.perf_counter())
+        return self.start_bytes(op, tensor.numel() * tensor.element_size(), tensor.numel(), world)
+
+    def start_bytes(self, op: str, msg_bytes: int, numel: int, world: int) -> CommRecord:
+        """As :meth:`start`, for a message that is not one tensor (objects: their pickled size; barrier: 0)."""
+        rec = CommRecord(op, int(msg_bytes), int(numel), world, time.perf_counter())
         s = self._totals.get(op)
         if s is None:
             s = self._totals[op] = dict(count=0, msg_bytes=0, ring_bytes=0.0, paper_bytes=0.0, seconds=0.0)
@@ -137,11 +147,12 @@ class CommHandle:
         return self.tensor
 
 
-def _explain(describe: str, exc: BaseException) -> DistributedError:
+def _explain(describe: str, exc: BaseException, cause: Optional[str] = None) -> DistributedError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    cause = cause or "ranks ran different numbers of steps or took different code paths"
     return DistributedError(
-        f"collective {describe} failed: {first}. Another rank probably died, or ranks ran different "
-        f"numbers of steps or took different code paths; look at the other ranks' logs for the first error."
+        f"collective {describe} failed: {first}. Another rank probably died, or {cause}; look at the other "
+        f"ranks' logs for the first error."
     )
 
 
@@ -231,6 +242,48 @@ class Collectives:
         return self._run(
             "broadcast", lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), tensor, tensor, async_op
         )
+
+    # ---- small collectives on Python objects (checkpoint coordination); synchronous, logged --------------
+    def _run_object(self, op: str, fn, nbytes: int, cause: Optional[str]) -> None:
+        rec = self.log.start_bytes(op, nbytes, 0, self.world)
+        try:
+            fn()
+        except RuntimeError as exc:  # gloo/nccl: timeout or a peer gone
+            raise _explain(f"{op}(group of {self.world})", exc, cause) from exc
+        finally:
+            self.log.finish(rec)
+
+    def barrier(self, cause: Optional[str] = None) -> None:
+        """Wait until every rank of the group arrives (logged with 0 bytes). ``cause``: what a failure most
+        likely means, for the error message (e.g. "not every rank called save_checkpoint")."""
+        if self.world == 1:
+            self.log.finish(self.log.start_bytes("barrier", 0, 0, 1))
+            return
+        self._run_object("barrier", lambda: dist.barrier(group=self.group), 0, cause)
+
+    def all_gather_object(self, obj: Any, cause: Optional[str] = None) -> List[Any]:
+        """Every rank's (picklable) ``obj``, in rank order. Logged with this rank's pickled size as bytes."""
+        if self.world == 1:
+            self.log.finish(self.log.start_bytes("all_gather_object", 0, 0, 1))
+            return [obj]
+        out: List[Any] = [None] * self.world
+        nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self._run_object("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group), nbytes,
+                         cause)
+        return out
+
+    def broadcast_object(self, obj: Any, src_rank: int = 0, cause: Optional[str] = None) -> Any:
+        """``obj`` of group rank ``src_rank`` on every rank. Logged with the source's pickled size on the
+        source and 0 bytes elsewhere (the receivers do not know the size before the call)."""
+        if self.world == 1:
+            self.log.finish(self.log.start_bytes("broadcast_object", 0, 0, 1))
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+        nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if self.topology.dp_rank == src_rank else 0
+        self._run_object("broadcast_object",
+                         lambda: dist.broadcast_object_list(box, src=src, group=self.group), nbytes, cause)
+        return box[0]
 
     def all_reduce_scalar_max(self, value: torch.Tensor) -> torch.Tensor:
         """Agree on a flag across ranks (e.g. overflow). One tiny collective; a host sync point."""

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.init import init_distributed, local_device
+from ..dist.comms import Collectives
+from ..dist.init import init_distributed
+from ..dist.topology import Topology
 
 _state = threading.local()
 
@@ -41,6 +42,7 @@ class InitShard:
     world: int
     rank: int
     shard: torch.Tensor  # ceil(numel / world) elements, zero padded
+    collectives: Optional[Collectives] = None  # of the group the parameter was sharded over (world > 1)
 
     @property
     def chunk(self) -> int:
@@ -55,13 +57,15 @@ class InitShard:
             self.shard[:n].copy_(flat[lo : lo + n])
 
     def gather_full(self, group=None) -> torch.Tensor:
-        """The whole parameter, gathered from every rank's slice (a collective: every rank must call it)."""
+        """The whole parameter, gathered from every rank's slice (a collective: every rank must call it).
+
+        Gathers over the group the parameter was sharded over, through its :class:`Collectives` (logged,
+        errors named); ``group`` is accepted for the callers' convenience and must be that group."""
         out = torch.empty(self.chunk * self.world, dtype=self.shard.dtype, device=self.shard.device)
-        if self.world == 1:
+        if self.world == 1 or self.collectives is None:
             out.copy_(self.shard)
         else:
-            dist.all_gather_into_tensor(out, self.shard, group=group) if not hasattr(dist, "all_gather_single") \
-                else dist.all_gather_single(out, self.shard, group=group)
+            self.collectives.all_gather(out, self.shard)
         return out[: self.numel].view(self.shape)
 
 
@@ -69,13 +73,14 @@ def init_shard_of(p: torch.Tensor) -> Optional[InitShard]:
     return getattr(p, "_shardspeed_init", None)
 
 
-def _shard_parameter(p: nn.Parameter, world: int, rank: int, dtype: Optional[torch.dtype], device) -> None:
+def _shard_parameter(p: nn.Parameter, world: int, rank: int, dtype: Optional[torch.dtype], device,
+                     collectives: Optional[Collectives] = None) -> None:
     if init_shard_of(p) is not None or getattr(p, "_shardspeed_unit", None) is not None:
         return
     chunk = -(-p.numel() // world) if p.numel() else 0
     target_dtype = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
     shard = torch.zeros(chunk, dtype=target_dtype, device=device)
-    info = InitShard(p.shape, p.numel(), world, rank, shard)
+    info = InitShard(p.shape, p.numel(), world, rank, shard, collectives)
     info.write_full(p.data)
     p._shardspeed_init = info
     p.data = torch.empty(0, dtype=target_dtype, device=device)
@@ -112,13 +117,13 @@ class Init:
 
     def _setup(self):
         init_distributed()
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.device = local_device()
+        topo = Topology.data_parallel(self.group)
+        self.world, self.rank, self.device = topo.dp_size, topo.dp_rank, topo.device
+        self.collectives = Collectives(topo)  # the shard gathers of the units built from these parameters
 
     def _shard_module(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
-            _shard_parameter(p, self.world, self.rank, self.dtype, self.device)
+            _shard_parameter(p, self.world, self.rank, self.dtype, self.device, self.collectives)
 
     def __enter__(self):
         if not self.enabled:
