@@ -1,4 +1,5 @@
-"""What a checkpoint needs from a running engine, in one place (the only module that reads its internals).
+"""What a checkpoint needs from a running engine, in one place, from the typed parts the engine hands over
+(``engine.checkpoint_parts()``, see :mod:`.stateful`).
 
 A trainable parameter lives in a :class:`~shardspeed.zero.unit.FlatParamUnit`; this rank owns the
 :class:`~shardspeed.zero.layout.Piece` of it that falls in its chunk, whose fp32 master slice is also the
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..offload.master import OffloadedMasterWeights
+from .stateful import CheckpointParts
 
 
 @dataclass
@@ -41,19 +43,28 @@ class UnitParamInfo:
 
 
 class EngineView:
+    """The checkpoint's view of one engine, built from ``engine.checkpoint_parts()`` (typed parts, no private
+    attributes): names of parameters, pieces this rank owns, and the coordination collectives."""
+
+    #: what a failed coordination collective most likely means during a save or load
+    CAUSE = "not every rank called save_checkpoint/load_checkpoint (every rank must, with the same arguments)"
+
     def __init__(self, engine):
-        p = engine._p
+        parts: CheckpointParts = engine.checkpoint_parts()
         self.engine = engine
-        self.parts = p
-        self.module: nn.Module = p.module
-        self.master = p.master
-        self.units = list(p.master.units)
-        self.optimizer = p.master.optimizer
-        self.rank = p.topology.dp_rank
-        self.world = p.topology.dp_size
-        self.group = p.topology.dp_group
-        self.zero_stage = p.zero_stage
-        self.train_dtype = p.train_dtype
+        self.parts = parts
+        self.module: nn.Module = parts.module
+        self.master = parts.master
+        self.units = list(parts.master.units)
+        self.optimizer = parts.master.optimizer
+        self.comm = parts.collectives
+        self.rank = parts.rank
+        self.world = parts.world
+        self.zero_stage = parts.zero_stage
+        self.train_dtype = parts.train_dtype
+        # the offload stores (offload_optimizer with Adam/AdamW: the tiled path), else None
+        self.tiled: Optional[OffloadedMasterWeights] = (
+            parts.master if isinstance(parts.master, OffloadedMasterWeights) and parts.master.is_tiled else None)
         self.names: Dict[int, str] = {}
         self.aliases: Dict[str, str] = {}
         for name, prm in self.module.named_parameters(remove_duplicate=False):
@@ -67,12 +78,17 @@ class EngineView:
     def offloaded(self) -> bool:
         """Masters and Adam moments live in the offload store (host memory or NVMe files), by tile, not in
         ``optimizer.state``; checkpoints then go through :meth:`offloaded_pieces` and the store."""
-        return bool(getattr(self.master, "tiled", False))
+        return self.tiled is not None
+
+    def tiled_master(self) -> OffloadedMasterWeights:
+        if self.tiled is None:
+            raise CheckpointError("internal error: offloaded state asked of an engine without an offload store")
+        return self.tiled
 
     def offloaded_pieces(self) -> List[OffloadedPiece]:
         """Every (trainable piece ∩ tile) of this rank, in tile order (offloaded engines only)."""
         out = []
-        for seg in self.master.state_segments():
+        for seg in self.tiled_master().state_segments():
             u = self.units[seg.tile.unit]
             out.append(OffloadedPiece(self.names[id(u.params[seg.piece.param_index])], seg.param_start,
                                       seg.param_end, seg))
@@ -81,35 +97,21 @@ class EngineView:
     @property
     def optimizer_steps(self) -> int:
         """Adam's step count of the offloaded state (one for every piece)."""
-        return int(self.master.step_count)
+        return int(self.tiled_master().step_count)
 
     @optimizer_steps.setter
     def optimizer_steps(self, n: int) -> None:
-        self.master.step_count = int(n)
+        self.tiled_master().step_count = int(n)
 
-    # ---- collectives on Python objects (small; gloo and NCCL both do these) --------------------------
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and self.world > 1
-
+    # ---- coordination (small object collectives through Collectives: logged, errors named) -----------
     def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
+        self.comm.barrier(cause=self.CAUSE)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
-        if not self.distributed:
-            return [obj]
-        out: List[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return self.comm.all_gather_object(obj, cause=self.CAUSE)
 
     def broadcast_object(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+        return self.comm.broadcast_object(obj, 0, cause=self.CAUSE)
 
     def agree(self, error: Optional[str]) -> None:
         """Raise the same CheckpointError on every rank if any rank failed (so none waits in a collective)."""
@@ -121,10 +123,6 @@ class EngineView:
             raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in bad))
 
     # ---- what the model holds ---------------------------------------------------------------------
-    def _trainable_pieces(self, ui: int, unit) -> list:
-        tp = getattr(self.master, "trainable_pieces", None)
-        return list(tp[ui]) if tp is not None else list(unit.pieces)
-
     def unit_params(self) -> List[Tuple[str, Tuple[int, ...], bool]]:
         """(name, shape, trainable) of every parameter held in flat units (all ranks agree on these)."""
         out = []
@@ -144,7 +142,7 @@ class EngineView:
             out.append([
                 OwnedPiece(self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end, v,
                            group_of_view.get(id(v), 0))
-                for pc, v in zip(self._trainable_pieces(ui, u), views)
+                for pc, v in zip(self.master.owned_pieces(ui), views)
             ])
         return out
 
@@ -153,7 +151,7 @@ class EngineView:
         live in units (stage 3 shards every parameter; stages 0-2 put only trainable ones in units)."""
         out = []
         for ui, u in enumerate(self.units):
-            trainable = {(pc.param_index, pc.param_start) for pc in self._trainable_pieces(ui, u)}
+            trainable = {(pc.param_index, pc.param_start) for pc in self.master.owned_pieces(ui)}
             frozen = [pc for pc in u.pieces if (pc.param_index, pc.param_start) not in trainable]
             shard = u.shard if frozen else None  # offload_param nvme: one read; store_frozen writes it back
             out.append([(self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end,
@@ -201,37 +199,22 @@ class EngineView:
         if manager is not None:  # stage 3: drop gathered copies (persistent ones too); they are stale now
             manager.after_step()
 
-    # ---- the rest of the training state --------------------------------------------------------------
-    def counters(self) -> Dict[str, int]:
-        e = self.engine
-        return {"global_steps": e.global_steps, "global_samples": e.global_samples, "micro_steps": e.micro_steps,
-                "skipped_steps": e.skipped_steps}
+    # ---- the rest of the training state: Stateful parts -------------------------------------------------
+    def common_state(self) -> Dict[str, Any]:
+        """The small state rank 0 saves in ``common.pt`` (the client's state is added by the caller)."""
+        p = self.parts
+        return {
+            "lr_scheduler": p.lr_scheduler.state_dict() if p.lr_scheduler is not None else None,
+            "loss_scaler": p.loss_scaler.state_dict() if p.loss_scaler is not None else None,
+            "counters": p.counters.state_dict(),
+            "dataloader": p.dataloader.state_dict(),
+        }
 
-    def set_counters(self, c: Dict[str, int]) -> None:
-        e = self.engine
-        e.global_steps = int(c.get("global_steps", 0))
-        e.global_samples = int(c.get("global_samples", 0))
-        e.micro_steps = int(c.get("micro_steps", 0))
-        e.skipped_steps = int(c.get("skipped_steps", 0))
-
-    def dataloader_state(self) -> Dict[str, Any]:
-        """The engine's loader: epoch and global sample position when it is resumable (the loader built by
-        ``initialize(training_data=...)``), else the sampler's epoch alone."""
-        dl = self.engine.training_dataloader
-        state: Dict[str, Any] = {"global_samples": self.engine.global_samples}
-        if hasattr(dl, "state_dict"):
-            state.update(dl.state_dict())
-            return state
-        sampler = getattr(dl, "sampler", None)
-        if sampler is not None and hasattr(sampler, "epoch"):
-            state["epoch"] = int(sampler.epoch)
-        return state
-
-    def set_dataloader_state(self, state: Dict[str, Any]) -> None:
-        dl = self.engine.training_dataloader
-        if hasattr(dl, "load_state_dict") and "epoch" in state:
-            dl.load_state_dict(state)  # an older checkpoint without "position" starts its epoch
-            return
-        sampler = getattr(dl, "sampler", None)
-        if sampler is not None and "epoch" in state and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(int(state["epoch"]))
+    def load_common_state(self, common: Dict[str, Any], lr_scheduler: bool = True) -> None:
+        p = self.parts
+        if lr_scheduler and p.lr_scheduler is not None and common.get("lr_scheduler") is not None:
+            p.lr_scheduler.load_state_dict(common["lr_scheduler"])
+        if p.loss_scaler is not None and common.get("loss_scaler") is not None:
+            p.loss_scaler.load_state_dict(common["loss_scaler"])
+        p.counters.load_state_dict(common.get("counters", {}))
+        p.dataloader.load_state_dict(common.get("dataloader", {}))

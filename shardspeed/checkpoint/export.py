@@ -19,13 +19,12 @@ from .format import write_bytes_atomic
 
 def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
     """name → CPU tensor (train dtype) on rank 0; {} on the others. Tied parameters under every name."""
-    p = view.parts
     out: Dict[str, torch.Tensor] = {}
     sharded_units = view.zero_stage == 3
     for unit in view.units:
         if sharded_units and unit.layout.world > 1:
             full = torch.empty(unit.layout.padded_numel, dtype=unit.dtype, device=unit.device)
-            p.collectives.all_gather(full, unit.shard_on_device())
+            view.comm.all_gather(full, unit.shard_on_device())
         else:
             full = unit.full
         if view.rank == 0:
@@ -43,8 +42,7 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     view = EngineView(engine)
-    cfg = view.parts.config
-    if view.zero_stage == 3 and not (cfg is not None and cfg.zero_optimization.gather_16bit_weights_on_model_save):
+    if view.zero_stage == 3 and not view.parts.gather_16bit_weights_on_save:
         raise CheckpointError(
             "save_16bit_model at ZeRO stage 3 needs \"stage3_gather_16bit_weights_on_model_save\": true in "
             "zero_optimization (parameters are sharded; DeepSpeed would write an empty file here). Or export "

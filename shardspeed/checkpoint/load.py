@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from . import rng
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
@@ -130,7 +129,7 @@ def _load_offloaded(view: EngineView, meta: CheckpointMetadata, index: EntryInde
                 else:  # saved before the first step: no moments yet
                     dst.zero_()
 
-    view.master.load_tiles(fill)
+    view.tiled_master().load_tiles(fill)
     if with_optimizer:  # Adam's step is one count for every piece: take it from any saved piece
         e = next((e for e in meta.entries if e.state == "step" and e.tensor in present), None)
         view.optimizer_steps = 0 if e is None else \
@@ -198,14 +197,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     view.write_back_masters()
 
     common = torch.load(os.path.join(path, COMMON_FILE), map_location="cpu", weights_only=False)
-    p = view.parts
     if not load_module_only:
-        if load_lr_scheduler_states and p.lr_scheduler is not None and common.get("lr_scheduler") is not None:
-            p.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        if common.get("loss_scaler") is not None and hasattr(p.loss_scaler, "load_state_dict"):
-            p.loss_scaler.load_state_dict(common["loss_scaler"])
-        view.set_counters(common.get("counters", {}))
-        view.set_dataloader_state(common.get("dataloader", {}))
+        view.load_common_state(common, lr_scheduler=load_lr_scheduler_states)
         _restore_rng(view, meta, reader)
     reader.close()
     client_state = common.get("client_state", {})
@@ -227,4 +220,4 @@ def _restore_rng(view: EngineView, meta: CheckpointMetadata, reader: ShardReader
         return
     file = rank_file(view.rank)
     tensors = {k: reader.read(file, k, crc) for k, crc in rec.get("tensors", {}).items()}
-    rng.restore(tensors, rec.get("py", {}))
+    view.parts.rng.load_state_dict({"tensors": tensors, "py": rec.get("py", {})})

@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from . import rng
 from .commit import commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
 from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
@@ -82,7 +81,7 @@ def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, torch.T
     ``optimizer.state`` gives (so either kind of engine loads it). Lazy: with NVMe each range is read from
     the files only when the writer reaches it, so memory holds one tile-sized range at a time."""
     steps = view.optimizer_steps
-    master = view.master
+    master = view.tiled_master()
     for op in view.offloaded_pieces():
         n = op.end - op.start
 
@@ -145,7 +144,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     record: Dict[str, Any] = {"rank": view.rank}
     try:
         items, entries, groups = _rank_items(view)
-        rng_tensors, rng_py = rng.capture()
+        rng_state = view.parts.rng.state_dict()
+        rng_tensors, rng_py = list(rng_state["tensors"].items()), rng_state["py"]
         items += rng_tensors
         written = write_safetensors(os.path.join(tmp, rank_file(view.rank)), items,
                                     metadata={"format": "pt", "shardspeed_rank": str(view.rank)}, rank=view.rank)
@@ -189,14 +189,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
 
 
 def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dict], client_state) -> None:
-    p = view.parts
-    common = {
-        "client_state": dict(client_state or {}),
-        "lr_scheduler": p.lr_scheduler.state_dict() if p.lr_scheduler is not None else None,
-        "loss_scaler": p.loss_scaler.state_dict() if hasattr(p.loss_scaler, "state_dict") else None,
-        "counters": view.counters(),
-        "dataloader": view.dataloader_state(),
-    }
+    common = {"client_state": dict(client_state or {}), **view.common_state()}
     buf = io.BytesIO()
     torch.save(common, buf)
     data = buf.getvalue()

@@ -278,6 +278,11 @@ class OffloadedMasterWeights(MasterWeights):
         super().sync_params_from_masters()
 
     # ---- checkpoints (tiled path): state by tile, through the store -----------------------------------
+    @property
+    def is_tiled(self) -> bool:
+        """Adam/AdamW: masters and moments live in the stores by tile (see the base class)."""
+        return self.tiled
+
     def state_segments(self) -> List[StateSegment]:
         """Every (trainable piece ∩ tile), device tiles first, then host tiles, in tile order."""
         out: List[StateSegment] = []

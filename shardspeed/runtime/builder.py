@@ -176,6 +176,7 @@ def build_engine(
         zero_stage=stage, train_dtype=train_dtype, steps_per_print=cfg.steps_per_print,
         wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
+        gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
     )
     return Engine(parts)
 

@@ -9,7 +9,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,9 @@ from ..errors import ShardspeedError
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..checkpoint.stateful import CheckpointParts
 
 logger = logging.getLogger("shardspeed")
 
@@ -46,6 +49,7 @@ class EngineParts:
     wall_clock_breakdown: bool = False
     param_manager: Any = None  # stage 3: gathers/releases parameters around module use
     training_dataloader: Any = None
+    gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
     config: Any = None  # kept for checkpoints and introspection only; never branched on here
     extras: Dict[str, Any] = field(default_factory=dict)
 
@@ -232,6 +236,20 @@ class Engine:
             prm.grad = None
 
     # ---- checkpoints (logic in shardspeed.checkpoint) -------------------------------------------------
+    def checkpoint_parts(self) -> "CheckpointParts":
+        """The parts a checkpoint saves and restores, typed (see :mod:`shardspeed.checkpoint.stateful`)."""
+        from ..checkpoint.stateful import CheckpointParts, LoaderPosition, RNGState, TrainingCounters, as_stateful
+
+        p = self._p
+        counters = TrainingCounters(self)
+        return CheckpointParts(
+            module=self.module, master=p.master, collectives=p.collectives, zero_stage=p.zero_stage,
+            train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
+            loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
+            rng=RNGState(), param_manager=p.param_manager,
+            gather_16bit_weights_on_save=p.gather_16bit_weights_on_save,
+        )
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:
         """Save the full training state, sharded, under ``{save_dir}/{tag}`` (atomic); every rank calls it."""

@@ -86,6 +86,20 @@ class MasterWeights:
         self.gather_after_step = gather_after_step
         self.check_overflow = check_overflow
 
+    # ---- what a checkpoint needs (typed; see shardspeed.checkpoint.engine_view) -------------------
+    @property
+    def is_tiled(self) -> bool:
+        """Whether masters and optimizer moments live in an offload store by tile rather than in the
+        masters and ``optimizer.state`` (:class:`~shardspeed.offload.master.OffloadedMasterWeights` with
+        Adam); a checkpoint then reads and writes them through that class's segment methods."""
+        return False
+
+    def owned_pieces(self, unit_index: int) -> List[Piece]:
+        """The pieces of unit ``unit_index`` the optimizer owns on this rank, in the order of
+        ``piece_tensors[unit_index]`` (pieces of frozen parameters, or of parameters the optimizer was not
+        given, are left out)."""
+        return list(self.trainable_pieces[unit_index])
+
     # ------------------------------------------------------------------------------------------
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
         out = []
