@@ -4,14 +4,21 @@ Every stored tensor is an *entry*: a flat range ``[start, end)`` of one logical 
 buffer, or one optimizer state of a parameter), held under ``key`` in ``file``. A loader at any world size
 and ZeRO stage asks for the ranges it owns now and reassembles them from whichever entries overlap them:
 this is what makes resharding need no conversion step.
+
+Format version 2 adds, per entry, what tensor and pipeline parallelism will key on: ``layer`` (the global
+layer index, :func:`layer_of`) and the entry's N-dimensional slice of the tensor's global shape
+(``offsets`` and ``lengths`` per dimension, :func:`flat_range_to_box`; None when the flat range is not a
+box). The flat range stays authoritative (docs/checkpoints.md). Version-1 checkpoints load: their entries
+get the same derived fields when read.
 """
 from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,7 +26,7 @@ from ..errors import CheckpointError
 from .format import ShardReader
 
 FORMAT = "shardspeed.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: entries carry layer, offsets, lengths; 1 (no such fields) still loads
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 WEIGHT = ""  # the state name of a parameter's (or buffer's) value; optimizer states use their own key
@@ -54,14 +61,67 @@ class Entry:
     crc32: Optional[int] = None
     elementwise: bool = True  # False: a per-parameter value (e.g. Adam's step) valid for the whole range
     value: Any = None  # a non-tensor state value, stored here instead of in a file (file == "")
+    layer: Optional[int] = None  # global layer index of the tensor (layer_of); None: not in a layer stack
+    offsets: Optional[List[int]] = None  # the N-D slice [offsets, offsets + lengths) of the tensor's global
+    lengths: Optional[List[int]] = None  # shape holding exactly [start, end); None when that range is no box
+
+    def locate(self, shape: Sequence[int]) -> None:
+        """Fill ``layer`` and the N-D slice from the name and the tensor's global ``shape``."""
+        self.layer = layer_of(self.tensor)
+        box = flat_range_to_box(shape, self.start, self.end)
+        self.offsets, self.lengths = box if box is not None else (None, None)
 
     def to_json(self) -> list:
         return [self.tensor, self.state, self.start, self.end, self.file, self.key, self.crc32,
-                int(self.elementwise), self.value]
+                int(self.elementwise), self.value, self.layer, self.offsets, self.lengths]
 
     @classmethod
     def from_json(cls, x: list) -> "Entry":
-        return cls(x[0], x[1], int(x[2]), int(x[3]), x[4], x[5], x[6], bool(x[7]), x[8])
+        """A version-2 entry (12 fields) or a version-1 one (9 fields: no layer or N-D slice)."""
+        e = cls(x[0], x[1], int(x[2]), int(x[3]), x[4], x[5], x[6], bool(x[7]), x[8])
+        if len(x) >= 12:
+            e.layer = None if x[9] is None else int(x[9])
+            e.offsets = None if x[10] is None else [int(v) for v in x[10]]
+            e.lengths = None if x[11] is None else [int(v) for v in x[11]]
+        return e
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The global layer index of a tensor: the first dotted component of its name that is an integer (the
+    index in the first ``ModuleList``/``Sequential`` on its path: ``layers.3.attn.weight`` → 3,
+    ``h.0.mlp.c_fc.weight`` → 0); None when there is none (embeddings, a final norm). With pipeline stages
+    this is the index in the whole model, not in the stage."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def flat_range_to_box(shape: Sequence[int], start: int, end: int) -> Optional[Tuple[List[int], List[int]]]:
+    """``(offsets, lengths)`` of the N-D slice of a tensor of ``shape`` whose elements are exactly the flat
+    (row-major) range ``[start, end)``, or None when the range is not such a box (it starts or ends inside a
+    row and spans more than one row). A whole tensor is ``([0, ...], shape)``. Pure arithmetic.
+
+    The range is a box iff, at the outermost dimension ``k`` to whose stride (the product of the dimensions
+    after ``k``) both ends are aligned, it does not cross an index of dimension ``k - 1``."""
+    dims = [int(d) for d in shape]
+    numel = math.prod(dims)
+    if not 0 <= start <= end <= numel:
+        return None
+    if start == 0 and end == numel:
+        return [0] * len(dims), dims
+    if start == end:
+        return None
+    strides = [math.prod(dims[k + 1 :]) for k in range(len(dims))]
+    for k, stride in enumerate(strides):
+        if start % stride or end % stride:
+            continue
+        lo, hi = start // stride, end // stride  # in rows of dimension k
+        if lo // dims[k] != (hi - 1) // dims[k]:
+            return None  # the rows run across an index of an outer dimension
+        offsets = [(start // strides[j]) % dims[j] for j in range(len(dims))]
+        return offsets, [1] * k + [hi - lo] + dims[k + 1 :]
+    return None
 
 
 @dataclass
@@ -108,13 +168,23 @@ class CheckpointMetadata:
         if int(d.get("version", 0)) > VERSION:
             raise CheckpointError(f"{where} has format version {d['version']}; this shardspeed reads up to {VERSION}: "
                                   f"upgrade shardspeed")
-        return cls(
+        meta = cls(
             tag=d["tag"], world_size=int(d["world_size"]), zero_stage=int(d["zero_stage"]), train_dtype=d["train_dtype"],
             tensors={k: TensorInfo(**v) for k, v in d["tensors"].items()}, aliases=dict(d.get("aliases", {})),
             entries=[Entry.from_json(e) for e in d["entries"]],
             files={k: FileInfo(**v) for k, v in d["files"].items()}, optimizer=d.get("optimizer"),
             rng=d.get("rng", {}), format=d["format"], version=int(d["version"]),
         )
+        if meta.version < 2:  # version 1: derive layer and N-D slice as a version-2 save records them
+            meta.locate_entries()
+        return meta
+
+    def locate_entries(self) -> None:
+        """Fill every entry's layer index and N-D slice from the tensor table."""
+        for e in self.entries:
+            info = self.tensors.get(e.tensor)
+            if info is not None:
+                e.locate(info.shape)
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMetadata":

@@ -206,5 +206,6 @@ def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dic
         optimizer={"class": type(view.optimizer).__name__, "param_groups": groups},
         rng={str(r["rank"]): r["rng"] for r in records},
     )
+    meta.locate_entries()  # layer index and N-D slice of every entry (format version 2)
     write_file_synced(os.path.join(tmp, METADATA_FILE), meta.to_json().encode())
     fsync_dir(tmp)
