@@ -9,7 +9,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -69,12 +69,20 @@ def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
     return obj
 
 
-class Engine:
-    """Wraps a module for training; create it with :func:`shardspeed.initialize`."""
+class Engine(nn.Module):
+    """Wraps a module for training; create it with :func:`shardspeed.initialize`.
+
+    An ``nn.Module`` as DeepSpeedEngine is: the model is the registered submodule ``module`` (what
+    Lightning and accelerate's ``unwrap_model`` look for), so ``state_dict()`` / ``named_parameters()`` give
+    its tensors under ``module.<name>`` as DeepSpeedEngine's do, ``engine(x)`` runs :meth:`forward`, and
+    attributes the engine lacks are looked up on the module. The optimizer, schedule, loader and parts are
+    plain attributes."""
 
     def __init__(self, parts: EngineParts):
+        super().__init__()
         self._p = parts
-        self.module = parts.module
+        self._modules["module"] = parts.module  # registered: nn.Module methods recurse into it
+        self.__dict__["module"] = parts.module  # and a plain attribute, so self.module skips __getattr__
         self.optimizer = parts.master.optimizer
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
@@ -130,19 +138,93 @@ class Engine:
     def global_rank(self) -> int:
         return torch.distributed.get_rank()
 
-    # ---- module passthrough ------------------------------------------------------------------------
+    # ---- nn.Module behaviour ------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine lacks come from the module (as DeepSpeedEngine), except private ones."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is not None and not name.startswith("_"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object (nor its module) has no attribute '{name}'") from None
+
     def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
+        super().train(mode)  # the engine's and the module's (recursively) training flags
         return self
 
-    def eval(self) -> "Engine":
-        return self.train(False)
+    def _sharded_placeholders(self) -> bool:
+        """Stage 3 outside a gather: module parameters are empty placeholders of their shards."""
+        return any(tuple(p.shape) != tuple(shape) for u in self._p.master.units for p, shape in zip(u.params, u.shapes))
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+    def state_dict(self, *args, **kwargs):
+        """The module's tensors under ``module.<name>`` (DeepSpeedEngine's keys; ``module_state_dict()`` gives
+        the module's own). Stage 3 raises unless the parameters are gathered (``GatheredParameters``)."""
+        if self._sharded_placeholders():
+            raise ShardspeedError(
+                "state_dict() at ZeRO stage 3: the module's parameters are sharded (empty placeholders). Use "
+                "save_checkpoint (sharded), save_16bit_model, or call it inside "
+                "shardspeed.zero.GatheredParameters(list(engine.parameters()))")
+        return super().state_dict(*args, **kwargs)
 
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
+    def module_state_dict(self, *args, **kwargs):
+        """The module's own ``state_dict`` (keys without ``module.``), as DeepSpeedEngine.module_state_dict."""
+        if self._sharded_placeholders():
+            return self.state_dict()  # raises the stage-3 error
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load weights into the module, then refresh the fp32 masters from them (so the next step continues
+        from the loaded weights; optimizer state is kept). Keys as :meth:`state_dict` gives them
+        (``module.<name>``) or the module's own. Every rank must load the same weights."""
+        if assign:
+            raise ShardspeedError("load_state_dict(assign=True) would replace parameters that are views of the "
+                                  "engine's flat ZeRO buffers; load with assign=False")
+        if self._sharded_placeholders():
+            raise ShardspeedError(
+                "load_state_dict() at ZeRO stage 3: the module's parameters are sharded. Use load_checkpoint, or "
+                "load inside shardspeed.zero.GatheredParameters(list(engine.parameters()), modifier_rank=0)")
+        keys = list(state_dict.keys())
+        if keys and not any(k.startswith("module.") for k in keys):
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        else:
+            result = super().load_state_dict(state_dict, strict=strict)
+        for ui in range(len(self._p.master.units)):
+            self._p.master.refresh_from_shard(ui)
+        return result
+
+    def load_module_state_dict(self, state_dict, strict: bool = True):
+        """DeepSpeedEngine's name for loading the module's own keys."""
+        return self.load_state_dict(state_dict, strict=strict)
+
+    def to(self, *args, **kwargs) -> "Engine":
+        """A no-op to the engine's own device and training dtype; anything else raises: parameters are views
+        of flat ZeRO buffers, and the fp32 masters and optimizer state would not follow."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        same_device = device is None or (device.type == self.device.type
+                                         and (device.index is None or device.index == self.device.index))
+        if same_device and (dtype is None or dtype == self._p.train_dtype):
+            return self
+        raise self._no_move_error(f"to({', '.join(map(str, args))})")
+
+    def cpu(self) -> "Engine":
+        return self.to("cpu")
+
+    def cuda(self, device=None) -> "Engine":
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
+    def _apply(self, fn, recurse: bool = True):  # half(), float(), bfloat16(), double(), type(), ...
+        raise self._no_move_error("half()/float()/bfloat16()/type() (casting or moving)")
+
+    def _no_move_error(self, what: str) -> ShardspeedError:
+        return ShardspeedError(
+            f"engine.{what}: the engine's parameters are views of its flat ZeRO buffers on {self.device} in "
+            f"{self._p.train_dtype}, and the fp32 master weights and optimizer state would not follow. Choose the "
+            f"device (LOCAL_RANK / the accelerator) and dtype (bf16/fp16 in the config) before "
+            f"shardspeed.initialize; move or cast the model before initializing.")
 
     # ---- accumulation boundary -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -175,8 +257,6 @@ class Engine:
                 self._p.param_manager.begin_forward()
             args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
-
-    __call__ = forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scale the loss (fp16) and divide it by the accumulation steps, then run autograd.
