@@ -43,13 +43,6 @@ def tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def crc32_of(t: torch.Tensor) -> int:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(tensor_bytes(t.contiguous()))
-
-
 # ---- crash injection (tests) ---------------------------------------------------------------------------
 CRASH_ENV = "SHARDSPEED_CKPT_CRASH"
 
@@ -275,13 +268,3 @@ class ShardReader:
 
     def close(self) -> None:
         self._headers.clear()
-
-
-def file_crc32(path: str, chunk: int = 16 << 20) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return crc
-            crc = zlib.crc32(b, crc)

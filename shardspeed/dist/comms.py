@@ -231,8 +231,3 @@ class Collectives:
         return self._run(
             "broadcast", lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), tensor, tensor, async_op
         )
-
-    def all_reduce_scalar_max(self, value: torch.Tensor) -> torch.Tensor:
-        """Agree on a flag across ranks (e.g. overflow). One tiny collective; a host sync point."""
-        self.all_reduce(value, op=dist.ReduceOp.MAX)
-        return value
