@@ -1,10 +1,10 @@
 """Mistakes in initialize() arguments fail at once with one clear line, before anything is changed."""
 import pytest
 import torch
+from models import make_model
 
 import shardspeed
 from shardspeed.errors import ConfigError
-from models import make_model
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 

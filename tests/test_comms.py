@@ -12,7 +12,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from test_memory import Net
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from distributed import run_distributed
 
 BUCKET = 30_000  # elements: about one unit per layer (~9 units) on the ~200k-parameter model

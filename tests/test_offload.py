@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import gathered_params, make_model, train_global_losses
 
@@ -159,10 +158,10 @@ def test_offload_matches_no_offload(tmp_path):
             dtype = case[3]
             tol = 1e-6 if dtype == "fp32" else 1e-6  # same kernel, same inputs: low precision matches too
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=0,
-                                       msg=lambda m: f"rank {r} {case} losses: {m}")
+                                       msg=lambda m, r=r, case=case: f"rank {r} {case} losses: {m}")
             for name, p in ref["params"].items():
                 torch.testing.assert_close(got["params"][name], p, rtol=tol, atol=1e-7,
-                                           msg=lambda m: f"rank {r} {case} param {name}: {m}")
+                                           msg=lambda m, r=r, case=case, name=name: f"rank {r} {case} param {name}: {m}")
             assert got["skipped"] == ref["skipped"], case
             if dtype == "fp16":
                 assert 1 <= ref["skipped"] < STEPS, f"{case}: skipped {ref['skipped']} of {STEPS} steps"

@@ -35,7 +35,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise CheckpointError(f"cannot checkpoint a tensor of dtype {dtype}: supported are {sorted(DTYPE_NAMES.values())}")
+        raise CheckpointError(f"cannot checkpoint a tensor of dtype {dtype}: supported are {sorted(DTYPE_NAMES.values())}") from None
 
 
 def tensor_bytes(t: torch.Tensor):
@@ -220,9 +220,9 @@ class ShardReader:
                         raise ValueError("header cut short")
                     header = json.loads(text)
             except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file {path} is missing")
+                raise CheckpointError(f"checkpoint file {path} is missing") from None
             except ValueError as exc:
-                raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt")
+                raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt") from exc
             h = (8 + n, header)
             self._headers[file] = h
         return h

@@ -15,8 +15,7 @@ from . import rng
 from .commit import commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
 from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
-from .metadata import (COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo,
-                       rank_file)
+from .metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo, rank_file
 
 logger = logging.getLogger("shardspeed")
 

@@ -4,9 +4,21 @@
 """
 from .base import ConfigModel
 from .batch import resolve_batch_sizes
-from .blocks import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CometConfig,
-                     CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, OptimizerConfig,
-                     ParallelWriteConfig, PipelineConfig, SchedulerConfig, TensorBoardConfig, WandbConfig)
+from .blocks import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    OptimizerConfig,
+    ParallelWriteConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from .loader import load_config
 from .models import ShardspeedConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config

@@ -28,7 +28,7 @@ class OptimizerConfig(ConfigModel):
     legacy_fusion: bool = field(False, "DeepSpeed: legacy fused fp16 optimizer.", ignored=True)
 
     @model_validator(mode="after")
-    def _check_params(self) -> "OptimizerConfig":
+    def _check_params(self) -> OptimizerConfig:
         if "max_grad_norm" in self.params:
             raise PydanticCustomError(
                 "max_grad_norm", "'{key}' is not an optimizer parameter; set the top-level "
@@ -46,7 +46,7 @@ class SchedulerConfig(ConfigModel):
                                    "(warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, ...).")
 
     @model_validator(mode="after")
-    def _check_params(self) -> "SchedulerConfig":
+    def _check_params(self) -> SchedulerConfig:
         _reject_auto_params(self.params)
         return self
 

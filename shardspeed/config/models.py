@@ -9,11 +9,29 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .base import AUTO_DEFAULT, ConfigModel, field
-from .blocks import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CometConfig,
-                     CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, OptimizerConfig,
-                     PipelineConfig, SchedulerConfig, TensorBoardConfig, WandbConfig)
-from .precision import (TORCH_DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, check_precision,
-                        normalize_dtype_name)
+from .blocks import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from .precision import (
+    TORCH_DTYPES,
+    BF16Config,
+    DataTypesConfig,
+    DtypeName,
+    FP16Config,
+    check_precision,
+    normalize_dtype_name,
+)
 from .zero import ZeroConfig
 
 _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
@@ -133,7 +151,7 @@ class ShardspeedConfig(ConfigModel):
         return normalize_dtype_name(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "ShardspeedConfig":
+    def _check(self) -> ShardspeedConfig:
         check_precision(self.fp16, self.bf16)
         for name in ("sequence_parallel_size", "managed_gradient_accumulation", "gradient_allreduce_op"):
             default = type(self).model_fields[name].default

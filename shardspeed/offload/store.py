@@ -160,7 +160,7 @@ class NvmeStateStore:
         pin = _pinned_ok(pin_memory)
         self._buffers = [torch.empty(3, self.tile_elems, dtype=torch.float32, pin_memory=pin)
                          for _ in range(buffer_count)]
-        self._free: "queue.Queue[torch.Tensor]" = queue.Queue()
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in self._buffers:
             self._free.put(b)
         self._owner: Dict[int, torch.Tensor] = {}  # tile index -> buffer it occupies
@@ -237,7 +237,7 @@ class NvmeStateStore:
         """Yield tiles in order with their state loaded; the next tiles are read while the caller works
         (as far ahead as free buffers allow). Each yielded state must be :meth:`release`-d."""
         self.flush()
-        ready: "queue.Queue[Any]" = queue.Queue()
+        ready: queue.Queue[Any] = queue.Queue()
         stop = threading.Event()
 
         def next_buffer() -> Optional[torch.Tensor]:
@@ -288,7 +288,7 @@ class NvmeStateStore:
             for buf in pending.values():  # read but never handed out (the consumer stopped early)
                 self._free.put(buf)
 
-    def _get(self, ready: "queue.Queue[Any]", pending: Dict[int, torch.Tensor]) -> Any:
+    def _get(self, ready: queue.Queue[Any], pending: Dict[int, torch.Tensor]) -> Any:
         item = ready.get()
         if isinstance(item, BaseException):
             raise ShardspeedError(f"NVMe offload: reading optimizer state from {self.dir} failed: {item}") from item

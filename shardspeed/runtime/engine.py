@@ -127,11 +127,11 @@ class Engine:
         return torch.distributed.get_rank()
 
     # ---- module passthrough ------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Engine":
+    def eval(self) -> Engine:
         return self.train(False)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:

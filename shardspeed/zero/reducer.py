@@ -50,7 +50,7 @@ class ReducePolicy:
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
-                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> "ReducePolicy":
+                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> ReducePolicy:
         """``reduce_scatter=False`` (DeepSpeed's key) all-reduces at stages 1-2 and keeps this rank's part."""
         op = ReduceOp.REDUCE_SCATTER if stage >= 1 and (reduce_scatter or stage == 3) else ReduceOp.ALL_REDUCE
         return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
