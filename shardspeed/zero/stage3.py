@@ -121,8 +121,8 @@ class ParamManager:
                 if p is None or id(p) not in unit_of:
                     continue
                 u = unit_of[id(p)]
-                root = root_of_unit[u.index]
-                if m is root or any(m is d for d in root.modules()):
+                owner = root_of_unit[u.index]
+                if m is owner or any(m is d for d in owner.modules()):
                     continue
                 if u.index not in needs.setdefault(m, []):
                     needs[m].append(u.index)
