@@ -14,7 +14,7 @@ import signal
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -114,7 +114,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: str, items: Sequence[Tuple[str, torch.Tensor]], metadata: Optional[Dict[str, str]] = None,
+def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, LazyTensor]]], metadata: Optional[Dict[str, str]] = None,
                       rank: int = 0) -> WrittenFile:
     """Write ``items`` (key, tensor) to ``path`` as safetensors, streaming, then fsync. Tensors are stored
     with their own shape and dtype."""

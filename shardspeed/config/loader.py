@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -59,7 +59,7 @@ def load_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig
             raise ConfigError(f"{' and '.join(repr(k) for k in auto)} {'is' if len(auto) == 1 else 'are'} "
                               "\"auto\" and cannot be derived: the caller (e.g. the Hugging Face Trainer) must "
                               "fill in train_batch_size or train_micro_batch_size_per_gpu")
-    train, micro, gas = resolve_batch_sizes(*given, world_size)
+    train, micro, gas = resolve_batch_sizes(given[0], given[1], given[2], world_size)
     resolved = model.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
                                         "gradient_accumulation_steps": gas})
     resolved._given_batch = given
@@ -109,7 +109,7 @@ def validate(data: Dict[str, Any]) -> ShardspeedConfig:
         raise ConfigError(message) from None
 
 
-def format_error(error: Dict[str, Any]) -> str:
+def format_error(error: Mapping[str, Any]) -> str:
     """One line for one pydantic error: the dotted key, the value given and what it may be."""
     path = _dotted(error["loc"])
     kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]

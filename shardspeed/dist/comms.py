@@ -224,6 +224,7 @@ class Collectives:
                                                                           group=self.group, async_op=x),
                                tmp, tmp, False)
             parts[:, a:b].copy_(tmp)
+        assert handle is not None  # n > 0: only inputs larger than one slice come here
         return CommHandle(output, None, handle._record, handle._describe, self.log)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -144,8 +144,8 @@ class OffloadedMasterWeights(MasterWeights):
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")
         self.host_tiles: List[Tile] = []
         self.device_tiles: List[Tile] = []
-        self.host_store = None
-        self.device_store = None
+        self.host_store: Optional[Union[NvmeStateStore, MemoryStateStore]] = None  # both set when tiled
+        self.device_store: Optional[MemoryStateStore] = None
         self.copier: Optional[HostCopier] = None
         if not self.tiled:
             logger.info("offload: %s is stepped by torch on the host (generic path)", type(self.optimizer).__name__)
@@ -154,18 +154,20 @@ class OffloadedMasterWeights(MasterWeights):
         self.device_tiles = plan_tiles(unit_pieces, plan.tile_elems, self.device_units)
         if nvme:
             rank = self.units[0].rank if self.units else 0
+            assert plan.nvme_path is not None  # the config requires it for device nvme
             self.host_store = NvmeStateStore(plan.nvme_path, self.host_tiles, plan.buffer_count, plan.pin_memory,
                                              rank)
             shard, shard_unit = None, None  # read each unit's shard once (offload_param nvme: from its file)
             for t in self.host_tiles:
                 if t.unit != shard_unit:
                     shard, shard_unit = self.units[t.unit].shard, t.unit
+                assert shard is not None
                 self.host_store.initialize(t, shard[t.lo : t.hi])
         else:
-            self.host_store = MemoryStateStore({u: self.masters[u] for u in self.host_units
-                                                if self.masters[u] is not None})
-        self.device_store = MemoryStateStore({u: self.masters[u] for u in self.device_units
-                                              if self.masters[u] is not None})
+            self.host_store = MemoryStateStore({u: m for u in self.host_units
+                                                if (m := self.masters[u]) is not None})
+        self.device_store = MemoryStateStore({u: m for u in self.device_units
+                                              if (m := self.masters[u]) is not None})
         dev = self.units[0].device if self.units else torch.device("cpu")
         max_tile = max((t.numel for t in self.host_tiles), default=0)
         self.copier = HostCopier(dev, self.units[0].dtype if self.units else torch.float32, max_tile,
@@ -208,6 +210,7 @@ class OffloadedMasterWeights(MasterWeights):
         return StepResult(False, norm)
 
     def _step_device_tiles(self, grads, coef: float, hyper) -> None:
+        assert self.device_store is not None  # tiled
         for t, st in self.device_store.stream(self.device_tiles):
             g = grads[t.unit]
             g = torch.zeros_like(st.master) if g is None else g[t.lo : t.hi].to(torch.float32)
@@ -226,6 +229,7 @@ class OffloadedMasterWeights(MasterWeights):
         tiles, store, cp = self.host_tiles, self.host_store, self.copier
         if not tiles:
             return
+        assert store is not None and cp is not None  # tiled
 
         def fetch(k: int):
             t = tiles[k]
@@ -293,6 +297,7 @@ class OffloadedMasterWeights(MasterWeights):
         """One state (``master``, ``exp_avg``, ``exp_avg_sq``) over a segment: a view of memory, or a copy
         read from the NVMe files (a sync point with the disk; one segment in memory)."""
         store = self.host_store if seg.on_host else self.device_store
+        assert store is not None  # tiled
         return store.read_state(seg.tile, name, seg.lo, seg.hi)
 
     def load_tiles(self, fill: Callable[[Tile, bool, TileState], None]) -> None:
@@ -302,6 +307,7 @@ class OffloadedMasterWeights(MasterWeights):
         for on_host, store, tiles in ((False, self.device_store, self.device_tiles),
                                       (True, self.host_store, self.host_tiles)):
             for t in tiles:
+                assert store is not None  # tiles exist only when tiled
                 st = store.read_tile(t)
                 fill(t, on_host, st)
                 store.write_tile(t, st)
@@ -313,6 +319,7 @@ class OffloadedMasterWeights(MasterWeights):
             host = super().held_bytes()
             return {"master": 0, "optimizer": 0, "offloaded_master": host["master"],
                     "offloaded_optimizer": host["optimizer"]}
+        assert self.device_store is not None and self.host_store is not None  # tiled
         dev = self.device_store.held_bytes()
         master_dev = sum(m.numel() * 4 for u, m in self.device_store.masters.items()
                          if self.units[u].shard_in_file or m.data_ptr() != self.units[u].shard.data_ptr())
@@ -328,6 +335,7 @@ class OffloadedMasterWeights(MasterWeights):
         """A copy of one host tile's state (tests, checkpoints)."""
         if isinstance(self.host_store, NvmeStateStore):
             return self.host_store.read_tile(tile)
+        assert self.host_store is not None  # tiled
         return next(iter(self.host_store.stream([tile])))[1]
 
     def close(self) -> None:

@@ -120,7 +120,8 @@ def check_nvme_path(path: str, needed_bytes: int, what: str = "the optimizer sta
 def _rw_all(fn, fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
     """Read or write all of ``buf`` at ``offset`` (``fn`` is ``os.preadv`` or ``os.pwritev``), looping over
     short transfers; a transfer of nothing is a full disk or a truncated file."""
-    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # a uint8 view works for bf16/fp16 too
+    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+    # (a uint8 view works for bf16/fp16 too)
     done = 0
     while done < len(view):
         n = fn(fd, [view[done:]], offset + done)

@@ -39,7 +39,7 @@ def runs_of(pieces: Sequence[Tuple[int, int, int]]) -> List[Tuple[int, int, int]
             out[-1][1] = start + n
         else:
             out.append([start, start + n, g])
-    return [tuple(r) for r in out]
+    return [(a, b, g) for a, b, g in out]
 
 
 def plan_tiles(unit_pieces: Sequence[Sequence[Tuple[int, int, int]]], tile_elems: int,

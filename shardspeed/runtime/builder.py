@@ -157,8 +157,9 @@ def build_engine(
         world = 1 if stage == 0 else topo.dp_size
         units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
-    master_kwargs = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled)
+    master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled)
     offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
+    master: MasterWeights
     if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
         master = OffloadedMasterWeights(units, reducer, collectives, group_of,
                                         _optimizer_factory(cfg, groups, optimizer), plan=offload, **master_kwargs)
@@ -168,6 +169,9 @@ def build_engine(
     if manager is not None:
         manager.master = master
         master.param_file = param_file  # offload_param nvme: closed (files deleted) with the master
+    # load_config resolved the batch trio
+    assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
+    assert cfg.gradient_accumulation_steps is not None
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),

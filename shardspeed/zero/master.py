@@ -54,7 +54,7 @@ class MasterWeights:
         master_device: Optional[torch.device] = None,
     ):
         self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
-        self.masters: List[torch.Tensor] = []
+        self.masters: List[Optional[torch.Tensor]] = []  # None: a unit with nothing to optimise
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
         self.trainable_pieces = trainable_pieces(self.units, group_of_param)
@@ -88,7 +88,7 @@ class MasterWeights:
 
     # ------------------------------------------------------------------------------------------
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
-        out = []
+        out: List[Optional[torch.Tensor]] = []
         for ui, master in enumerate(self.masters):
             if master is None:
                 out.append(None)
@@ -143,7 +143,9 @@ class MasterWeights:
         if not views:
             return
         if g is None:
-            g = torch.zeros_like(self.masters[ui])
+            master = self.masters[ui]
+            assert master is not None  # a unit with pieces has a master
+            g = torch.zeros_like(master)
         if coef != 1.0:
             g.mul_(coef)
         for piece, view in zip(self.trainable_pieces[ui], views):

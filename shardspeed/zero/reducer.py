@@ -71,6 +71,12 @@ class _UnitGrads:
         self.wire: Optional[torch.Tensor] = None  # the tensor sent, when the wire dtype differs
 
 
+def _completed(g: _UnitGrads) -> bool:
+    """Whether an in-flight unit's reduction has finished (without waiting)."""
+    assert g.handle is not None
+    return g.handle.is_completed()
+
+
 class GradientReducer:
     def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
                  max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None):
@@ -174,13 +180,14 @@ class GradientReducer:
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
         # finish what is already done without blocking; block only past the memory bound
-        while self._in_flight and self._in_flight[0].handle.is_completed() and self.policy.every_micro_step:
+        while self._in_flight and _completed(self._in_flight[0]) and self.policy.every_micro_step:
             self._complete(self._in_flight.pop(0))
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
             self._complete(self._in_flight.pop(0))
 
     def _complete(self, g: _UnitGrads) -> None:
         """Wait for one unit's reduction and average it into where the optimizer reads it."""
+        assert g.handle is not None and g.wire is not None  # launched, not yet completed
         g.handle.wait()
         g.handle = None
         post = float(self.world) / self.policy.predivide_factor
@@ -194,6 +201,7 @@ class GradientReducer:
                 self._recycle(g.bucket)
             g.bucket = None  # stages 2-3: full-size gradients are not kept
         else:
+            assert g.bucket is not None  # stages 0-1 keep the full-size bucket
             if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
                 g.bucket[lo:hi].copy_(reduced)
             g.bucket[lo:hi].div_(post)

@@ -117,10 +117,10 @@ class ParamManager:
             needs.setdefault(m, []).append(u.index)
         root_of_unit = {u.index: m for u, m in zip(self.units, owners)}
         for m in root.modules():
-            for p in m._parameters.values():
-                if p is None or id(p) not in unit_of:
+            for mp in m._parameters.values():
+                if mp is None or id(mp) not in unit_of:
                     continue
-                u = unit_of[id(p)]
+                u = unit_of[id(mp)]
                 owner = root_of_unit[u.index]
                 if m is owner or any(m is d for d in owner.modules()):
                     continue
@@ -316,5 +316,5 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
     )
     for u in units:
         for i, p in enumerate(u.params):
-            p._shardspeed_unit = (u, i, manager)
+            p._shardspeed_unit = (u, i, manager)  # type: ignore[attr-defined]  # a tag read back with getattr
     return units, manager

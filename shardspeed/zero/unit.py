@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from .layout import FlatLayout, Piece
+
+if TYPE_CHECKING:
+    from shardspeed.dist.comms import CommHandle
 
 
 class UnitState(enum.Enum):
@@ -44,12 +47,13 @@ class FlatParamUnit:
         self.rank = rank
         self.dtype = dtypes.pop()
         self.device = devices.pop()
-        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
-            self.full[off : off + n].copy_(p.detach().reshape(-1))
+            full[off : off + n].copy_(p.detach().reshape(-1))
+        self.full: Optional[torch.Tensor] = full  # None while a stage-3 unit is sharded
         self._point_params_at_full()
         lo, hi = self.layout.chunk_range(rank)
-        self.shard = self.full[lo:hi]
+        self.shard = full[lo:hi]
         self.state = UnitState.GATHERED
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
 
@@ -81,8 +85,10 @@ class FlatParamUnit:
         return buffer[off : off + self.layout.numels[index]]
 
     def _point_params_at_full(self) -> None:
+        full = self.full
+        assert full is not None
         for p, off, n, shape in zip(self.params, self.layout.offsets, self.layout.numels, self.shapes):
-            p.data = self.full[off : off + n].view(shape)
+            p.data = full[off : off + n].view(shape)
 
     def __repr__(self) -> str:
         return (
@@ -104,7 +110,8 @@ class ShardedParamUnit(FlatParamUnit):
         from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
 
         self._param_file = None  # offload_param nvme: the NvmeParamFile holding the shard
-        self._pending = None  # (buffer, CommHandle, source) of an asynchronous gather in flight
+        # (buffer, CommHandle, source) of an asynchronous gather in flight
+        self._pending: Optional[Tuple[torch.Tensor, CommHandle, torch.Tensor]] = None
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
             self.shard = self.shard.clone()  # own storage: the full buffer is about to go
@@ -126,7 +133,7 @@ class ShardedParamUnit(FlatParamUnit):
             if pc is not None:
                 self.shard[pc.chunk_start : pc.chunk_start + pc.numel].copy_(flat[pc.param_start : pc.param_end])
             if info is not None:
-                del p._shardspeed_init
+                del p._shardspeed_init  # type: ignore[attr-defined]  # the tag zero.Init put on it
         self.full = None
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -152,11 +159,12 @@ class ShardedParamUnit(FlatParamUnit):
         it are not stored: use :meth:`write_shard`)."""
         if self._param_file is not None:
             return self._param_file.read(self)
+        assert self._shard is not None
         return self._shard
 
     @shard.setter
     def shard(self, t: torch.Tensor) -> None:
-        self._shard = t
+        self._shard: Optional[torch.Tensor] = t  # None once the shard lives only in a file
 
     def keep_shard_in_file(self, param_file) -> None:
         """offload_param nvme: write the shard into ``param_file`` (an NvmeParamFile) and drop it from
