@@ -86,6 +86,7 @@ class Engine:
         self._last_loss: Optional[torch.Tensor] = None
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
+        parts.reducer.set_sync_policy(self._reduce_this_micro_step)
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
     @property
@@ -164,11 +165,17 @@ class Engine:
         finally:
             self._in_no_sync = prev
 
+    def set_reshard_after_forward(self, reshard: bool, modules: Optional[List[nn.Module]] = None) -> None:
+        """Stage 3: ``False`` keeps the parameters of ``modules`` (default: the whole model) gathered from
+        their first use until the optimizer step, across every micro-batch (FSDP2's
+        ``reshard_after_forward``), e.g. for a pipeline stage or gradients assigned by hand. Stages 0-2
+        always hold whole parameters: nothing to do."""
+        if self._p.param_manager is not None:
+            self._p.param_manager.set_reshard_after_forward(reshard, modules)
+
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         with self._timers("forward"):
-            if self._p.param_manager is not None:
-                self._p.param_manager.begin_forward()
             args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
 
@@ -177,24 +184,23 @@ class Engine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scale the loss (fp16) and divide it by the accumulation steps, then run autograd.
 
-        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
+        The reduction needs nothing from here: gradient hooks and an end-of-backward callback reduce the
+        gradients of any backward (see :class:`~shardspeed.zero.reducer.GradientReducer`), so a plain
+        ``loss.backward()`` followed by :meth:`step` trains the same (scale and divide the loss yourself
+        then). Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
         """
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ShardspeedError("backward(loss) expects a scalar loss tensor (call .mean() or .sum() first)")
         self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
         gas = self._p.gradient_accumulation_steps
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
-        reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         with self._timers("backward"):
-            if self._p.param_manager is not None:
-                self._p.param_manager.begin_backward()
-            self._p.reducer.begin_backward(reduce_now)
             scaled.backward(retain_graph=retain_graph)
-        with self._timers("reduce"):
-            self._p.reducer.finish_backward()
-            if self._p.param_manager is not None:
-                self._p.param_manager.end_backward()
         return loss.detach() / gas
+
+    def _reduce_this_micro_step(self) -> bool:
+        """Asked by the reducer at the start of each backward: does this micro-step end with a reduction."""
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
@@ -202,6 +208,7 @@ class Engine:
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
         if self.is_gradient_accumulation_boundary():
             with self._timers("step"):
+                self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
                 self._optimizer_step()
         self.micro_steps += 1
         self._boundary_override = None

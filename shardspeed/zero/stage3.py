@@ -11,12 +11,18 @@
   unit is needed, the following units (up to ``prefetch_bucket_size`` elements) are all-gathered
   asynchronously.
 - Units smaller than ``param_persistence_threshold`` elements stay gathered after first use.
+- Gather and release are per use, not per phase: a unit released after its forward frees its gathered
+  storage at once even though autograd saved views of it, and the same storage is re-filled before the
+  unit's backward (:class:`~.unit.ShardedParamUnit`). Forward of micro-batch k+1 may therefore run before
+  backward of micro-batch k (1F1B); each backward ends by itself (an autograd end-of-backward callback).
+- :meth:`ParamManager.set_reshard_after_forward` keeps chosen units gathered across every forward and
+  backward of a step (FSDP2's ``reshard_after_forward=False``), for pipeline stages.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -98,7 +104,9 @@ class ParamManager:
         self._tracing: Dict[str, List[int]] = {"forward": [], "backward": []}
         self._pos: Dict[str, int] = {"forward": 0, "backward": 0}
         self._phase = "forward"
+        self._in_backward = False
         self._grad_done: set = set()
+        self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
         self._hooks = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
         self._root = root
@@ -106,6 +114,7 @@ class ParamManager:
         self._recording_uses = True
         self._uses_seen = 0
         self.gather_count = 0
+        self._owners = list(owners)
         unit_of: Dict[int, ShardedParamUnit] = {}
         for u in self.units:
             for p in u.params:
@@ -127,6 +136,7 @@ class ParamManager:
                 if u.index not in needs.setdefault(m, []):
                     needs[m].append(u.index)
         self._needs = needs
+        self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
         for m, idx in needs.items():
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
@@ -151,8 +161,11 @@ class ParamManager:
             return
         try:
             pos = order.index(index, self._pos[self._phase])
-        except ValueError:
-            return
+        except ValueError:  # out of the traced order (interleaved micro-batches): look from the start
+            try:
+                pos = order.index(index)
+            except ValueError:
+                return
         self._pos[self._phase] = pos
         live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
         budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
@@ -167,9 +180,24 @@ class ParamManager:
             self.gather_count += 1
 
     def _release(self, index: int) -> None:
-        if index in self.persistent:
+        if index in self.persistent or index in self._keep:
             return
         self.units[index].release()
+
+    def set_reshard_after_forward(self, reshard: bool, modules: Optional[Sequence[nn.Module]] = None) -> None:
+        """``reshard=False``: keep the units owned by ``modules`` (default: all) gathered from their first use
+        until the optimizer step, across every micro-batch's forward and backward (FSDP2's
+        ``reshard_after_forward=False``: fewer all-gathers for a pipeline stage, at the cost of holding its
+        parameters whole). ``True`` restores per-use gathering."""
+        chosen = {u.index for u, m in zip(self.units, self._owners)
+                  if modules is None or any(m is x or any(m is d for d in x.modules()) for x in modules)}
+        if reshard:
+            self._keep -= chosen
+            for i in chosen:
+                if self._refs[i] == 0:
+                    self._release(i)
+        else:
+            self._keep |= chosen
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _make_pre_forward(self, indices: List[int]):
@@ -209,7 +237,8 @@ class ParamManager:
         return hook
 
     def _pre_backward(self, indices: List[int]) -> None:
-        self._phase = "backward"
+        if not self._in_backward:
+            self.begin_backward()
         for i in indices:
             if i not in self._grad_done:
                 self._gather(i)
@@ -219,24 +248,30 @@ class ParamManager:
         self._grad_done.add(index)
         self._release(index)
 
-    # ---- phases (called by the engine) --------------------------------------------------------------
+    # ---- phases (driven by the hooks) --------------------------------------------------------------
     def begin_forward(self) -> None:
+        """The root module's forward starts (a pre-forward hook)."""
         self._phase = "forward"
         self._pos["forward"] = 0
         self._uses_seen = 0
 
     def begin_backward(self) -> None:
+        """The first unit of a backward is needed: queue this backward's end on autograd's engine."""
+        self._in_backward = True
         self._phase = "backward"
         self._pos["backward"] = 0
         self._grad_done.clear()
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        """Release everything still gathered and freeze the traces after the first full step."""
+        """End of a backward (autograd's final callback): release every unit still gathered (except those
+        kept until the step) and freeze the traces after the first full step."""
+        self._in_backward = False
         for u in self.units:
             if u.gathering:
                 u.finish_gather()
-            self._refs[u.index] = 0
-            self._release(u.index)
+            if self._refs[u.index] == 0:
+                self._release(u.index)
         for phase, tr in list(self._tracing.items()):
             if tr and phase not in self._trace:
                 self._trace[phase] = list(tr)

@@ -103,6 +103,11 @@ class ShardedParamUnit(FlatParamUnit):
     ``gather`` / ``release`` are idempotent state transitions (SHARDED ⇄ GATHERED). While sharded, each
     parameter's ``.data`` is an empty placeholder, so stray use fails with a shape error instead of
     silently reading stale values.
+
+    The gathered buffer is one tensor for the unit's life: :meth:`release` frees its storage (resizes it
+    to zero bytes) and the next gather re-allocates and fills that same storage. Autograd may hold views
+    of the parameters saved in forward; they see the storage freed after the unit's forward and filled
+    again before its backward, so a saved graph costs no gathered memory in between (FSDP does the same).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1,
@@ -112,9 +117,11 @@ class ShardedParamUnit(FlatParamUnit):
         self._param_file = None  # offload_param nvme: the NvmeParamFile holding the shard
         # (buffer, CommHandle, source) of an asynchronous gather in flight
         self._pending: Optional[Tuple[torch.Tensor, CommHandle, torch.Tensor]] = None
+        self._buffer: Optional[torch.Tensor] = None  # the gathered storage, kept (freed/refilled) for life
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
             self.shard = self.shard.clone()  # own storage: the full buffer is about to go
+            self._buffer = self.full
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
             self.release()
             return
@@ -185,19 +192,33 @@ class ShardedParamUnit(FlatParamUnit):
             super().write_shard(t, lo)
 
     def release(self) -> None:
+        """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
+        autograd saved stay valid objects and are filled again by the next gather)."""
         if self.state is UnitState.SHARDED:
             return
         for p in self.params:
             p.data = self._placeholder
         self.full = None
+        if self._buffer is not None:
+            self._buffer.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+
+    def _gather_buffer(self) -> torch.Tensor:
+        """The unit's one gathered buffer, its storage (re-)allocated."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        storage = self._buffer.untyped_storage()
+        nbytes = self.layout.padded_numel * self._buffer.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self._buffer
 
     def start_gather(self, comm) -> None:
         """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`."""
         if self.state is UnitState.GATHERED or self._pending is not None:
             return
         self._check_untouched()
-        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        full = self._gather_buffer()
         src = self.shard_on_device()  # offload_param: the host→device copy, kept alive until finish_gather
         self._pending = (full, comm.all_gather(full, src, async_op=True), src)
 
