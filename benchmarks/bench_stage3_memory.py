@@ -264,7 +264,7 @@ class Group:
                 except queue.Empty:
                     dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
                     if dead or time.monotonic() > deadline:
-                        raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})")
+                        raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})") from None
                     continue
                 if kind == "error":
                     raise RuntimeError(f"{self.system} rank {rank} failed:\n{payload}")
