@@ -118,7 +118,7 @@ class OffloadedMasterWeights(MasterWeights):
                 m = None if nvme else torch.empty(unit.shard.numel(), dtype=torch.float32, pin_memory=pin)
                 if m is not None:
                     m.copy_(unit.shard)
-            elif unit.dtype == torch.float32 and not unit.shard_on_host:
+            elif unit.dtype == torch.float32 and unit.placement.on_device:
                 m = unit.shard  # as without offload: fp32 training updates the shard in place
             else:
                 m = unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
@@ -215,12 +215,8 @@ class OffloadedMasterWeights(MasterWeights):
                 g.mul_(coef)
             adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._device_step, hyper[t.group])
             unit = self.units[t.unit]
-            if unit.shard_in_file:  # offload_param nvme
+            if not unit.placement.aliases(st.master):  # fp32 on the device: the master is the shard
                 unit.write_shard(st.master, t.lo)
-                continue
-            shard = unit.shard[t.lo : t.hi]
-            if shard.data_ptr() != st.master.data_ptr():
-                shard.copy_(st.master)
 
     def _step_host_tiles(self, grads, coef: float, hyper) -> None:
         tiles, store, cp = self.host_tiles, self.host_store, self.copier
@@ -246,10 +242,10 @@ class OffloadedMasterWeights(MasterWeights):
                 adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._host_step, hyper[t.group],
                           self.plan.threads)
                 unit = self.units[t.unit]
-                if unit.shard_in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
+                if unit.placement.in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
                     unit.write_shard(st.master, t.lo)
                     done = None
-                else:
+                else:  # into the shard's memory (device or host), asynchronously where a copy stream exists
                     done = cp.to_device(k % 2, unit.shard[t.lo : t.hi], st.master)
                 store.release(t, st, done)
             store.flush()
@@ -315,7 +311,7 @@ class OffloadedMasterWeights(MasterWeights):
                     "offloaded_optimizer": host["optimizer"]}
         dev = self.device_store.held_bytes()
         master_dev = sum(m.numel() * 4 for u, m in self.device_store.masters.items()
-                         if self.units[u].shard_in_file or m.data_ptr() != self.units[u].shard.data_ptr())
+                         if not self.units[u].placement.aliases(m))
         out = {"master": master_dev, "optimizer": dev["optimizer"]}
         host = self.host_store.held_bytes()
         out["offloaded_master"] = host["master"]

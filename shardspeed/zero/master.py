@@ -64,7 +64,7 @@ class MasterWeights:
                 self.piece_tensors.append([])
                 continue
             device = master_device or unit.device
-            aliases = unit.dtype == torch.float32 and device == unit.device and not unit.shard_on_host
+            aliases = unit.dtype == torch.float32 and device == unit.device and unit.placement.on_device
             master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
             self.masters.append(master)
             views = []
@@ -156,26 +156,13 @@ class MasterWeights:
     def _write_back(self, ui: int) -> None:
         """Copy unit ``ui``'s updated master into its low-precision chunk (frozen elements untouched)."""
         unit, master, pieces = self.units[ui], self.masters[ui], self.trainable_pieces[ui]
-        if master is None:
-            return
-        if unit.shard_in_file:  # offload_param nvme: write the file (read first when frozen parts stay)
-            if len(pieces) == len(unit.pieces):
-                unit.write_shard(master)
-                return
-            shard = unit.shard
-            for pc in pieces:
-                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                shard[sl].copy_(master[sl])
-            unit.write_shard(shard)
-            return
-        if master.data_ptr() == unit.shard.data_ptr():
+        if master is None or unit.placement.aliases(master):
             return
         if len(pieces) == len(unit.pieces):
-            unit.shard.copy_(master)
+            unit.write_shard(master)
         else:
             for pc in pieces:
-                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                unit.shard[sl].copy_(master[sl])
+                unit.write_shard(master[pc.chunk_start : pc.chunk_start + pc.numel], pc.chunk_start)
 
     def sync_params_from_masters(self) -> None:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
@@ -190,24 +177,21 @@ class MasterWeights:
         """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master."""
         master = self.masters[unit_index]
         unit = self.units[unit_index]
-        if master is not None:
-            shard = unit.shard  # offload_param nvme: read from the file
-            if master.data_ptr() != shard.data_ptr():
-                master.copy_(shard)
-
-    param_file = None  # offload_param nvme: the NvmeParamFile of the shards (set by the builder)
+        if master is not None and not unit.placement.aliases(master):
+            master.copy_(unit.shard)  # a file placement: read from the file
 
     def close(self) -> None:
-        """Delete the offload files (offload_param nvme) now rather than at exit."""
-        if self.param_file is not None:
-            self.param_file.close()
+        """Free the units' shard storage that outlives garbage collection (offload_param nvme: delete the
+        file) now rather than at exit."""
+        for u in self.units:
+            u.placement.close()
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of master weights and optimizer state this rank holds (not counting aliases of params)."""
         master = sum(
             m.numel() * m.element_size()
             for m, u in zip(self.masters, self.units)
-            if m is not None and (u.shard_in_file or m.data_ptr() != u.shard.data_ptr())
+            if m is not None and not u.placement.aliases(m)
         )
         state = 0
         for st in self.optimizer.state.values():
