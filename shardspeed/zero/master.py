@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +29,14 @@ def trainable_pieces(units: Sequence[FlatParamUnit], group_of_param: Dict[int, i
     ``model_parameters``) stay as they are."""
     return [[pc for pc in u.pieces if u.params[pc.param_index].requires_grad
              and id(u.params[pc.param_index]) in group_of_param] for u in units]
+
+
+def device_master(unit: FlatParamUnit) -> torch.Tensor:
+    """The fp32 master of a unit on its device: the shard itself when that is fp32 device memory (fp32
+    training updates it in place), else a fp32 copy."""
+    if unit.dtype == torch.float32 and unit.placement.on_device:
+        return unit.shard
+    return unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
 
 
 @dataclass
@@ -51,40 +59,38 @@ class MasterWeights:
         sharded: bool,
         gather_after_step: bool,
         check_overflow: bool,
-        master_device: Optional[torch.device] = None,
+        make_master: Optional[Callable[[int, FlatParamUnit], Optional[torch.Tensor]]] = None,
     ):
-        self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
-        self.masters: List[torch.Tensor] = []
-        self.piece_tensors: List[List[torch.Tensor]] = []
-        groups: Dict[int, List[torch.Tensor]] = {}
-        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
-        for unit, pieces in zip(self.units, self.trainable_pieces):
-            if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
-                self.masters.append(None)
-                self.piece_tensors.append([])
-                continue
-            device = master_device or unit.device
-            aliases = unit.dtype == torch.float32 and device == unit.device and unit.placement.on_device
-            master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
-            self.masters.append(master)
-            views = []
-            for piece in pieces:
-                view = master[piece.chunk_start : piece.chunk_start + piece.numel]
-                views.append(view)
-                groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
-            self.piece_tensors.append(views)
-        self.group_indices = sorted(groups)
-        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
-
-    def _bind(self, units, reducer, collectives, sharded: bool, gather_after_step: bool,
-              check_overflow: bool) -> None:
-        """The parts and decisions every master-weight variant (on the device or offloaded) starts from."""
+        """``make_master(unit_index, unit)``: the fp32 master chunk of a unit with trainable pieces, or None
+        where it is kept elsewhere (then the optimizer gets placeholder pieces); default
+        :func:`device_master`."""
         self.units = list(units)
         self.reducer = reducer
         self.comm = collectives
         self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
         self.gather_after_step = gather_after_step
         self.check_overflow = check_overflow
+        make_master = make_master or (lambda ui, unit: device_master(unit))
+        self.masters: List[Optional[torch.Tensor]] = []
+        self.piece_tensors: List[List[torch.Tensor]] = []
+        groups: Dict[int, List[torch.Tensor]] = {}
+        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
+        for ui, (unit, pieces) in enumerate(zip(self.units, self.trainable_pieces)):
+            if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
+                self.masters.append(None)
+                self.piece_tensors.append([])
+                continue
+            master = make_master(ui, unit)
+            self.masters.append(master)
+            views = []
+            for piece in pieces:
+                view = (master[piece.chunk_start : piece.chunk_start + piece.numel] if master is not None
+                        else torch.empty(piece.numel, dtype=torch.float32, device="meta"))
+                views.append(view)
+                groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
+            self.piece_tensors.append(views)
+        self.group_indices = sorted(groups)
+        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
 
     # ------------------------------------------------------------------------------------------
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
@@ -100,23 +106,34 @@ class MasterWeights:
         return out
 
     def global_grad_norm(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        """L2 norm over all ranks' chunks (padding is zero). One all-reduce when sharded; a sync point."""
+        """L2 norm over all ranks' chunks (padding is zero), summed in fp32 wherever the chunks are. One
+        all-reduce when sharded; a sync point."""
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
         for g in grads:
             if g is not None:
+                g = g if g.dtype == torch.float32 else g.float()
                 sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
         if self.sharded:
             self.comm.all_reduce(sq)
         return sq.sqrt()
 
-    def step(self, loss_scale: float, clip: float) -> StepResult:
-        grads = self._fp32_grads()
+    def grad_coefficient(self, grads: List[Optional[torch.Tensor]], loss_scale: float,
+                         clip: float) -> Tuple[float, Optional[float]]:
+        """(global norm of the unscaled gradients, the one factor that unscales and clips them), the factor
+        None on an fp16 overflow (the step is skipped)."""
         norm = float(self.global_grad_norm(grads)) / loss_scale
         if self.check_overflow and not math.isfinite(norm):
-            return StepResult(True, norm)
+            return norm, None
         coef = 1.0 / loss_scale
         if clip > 0:
             coef *= min(1.0, clip / (norm + 1e-6))
+        return norm, coef
+
+    def step(self, loss_scale: float, clip: float) -> StepResult:
+        grads = self._fp32_grads()
+        norm, coef = self.grad_coefficient(grads, loss_scale, clip)
+        if coef is None:
+            return StepResult(True, norm)
         if self.gather_after_step and len(self.units) > 1:
             # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
             # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces)
@@ -168,6 +185,10 @@ class MasterWeights:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
         for ui in range(len(self.units)):
             self._write_back(ui)
+        self._gather_units()
+
+    def _gather_units(self) -> None:
+        """Stages 1-2: all-gather every unit's full buffer from the updated chunks."""
         if self.gather_after_step:
             handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
             for h in handles:
