@@ -167,7 +167,7 @@ class EngineView:
     def store_frozen(unit, views) -> None:
         """After loading into the views of :meth:`frozen_pieces`: with offload_param nvme they are views of
         a copy read from the file, written back here (elsewhere they are the shard itself: nothing to do)."""
-        if unit.shard_in_file and views:
+        if unit.placement.in_file and views:
             unit.write_shard(views[0]._base if views[0]._base is not None else views[0])
 
     def writes_unit(self, unit) -> bool:

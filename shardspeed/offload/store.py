@@ -73,6 +73,12 @@ class MemoryStateStore:
         """Elements ``[lo, hi)`` of the unit's chunk (inside ``tile``) of one state, as a view."""
         return getattr(self.read_tile(tile), name)[lo - tile.lo : hi - tile.lo]
 
+    def write_master(self, tile: Tile, master: torch.Tensor) -> None:
+        """Overwrite a tile's master weights (moments kept)."""
+        dst = self.masters[tile.unit][tile.lo : tile.hi]
+        if dst.data_ptr() != master.data_ptr():
+            dst.copy_(master)
+
     def write_tile(self, tile: Tile, state: TileState) -> None:
         """Store a tile's state (a no-op for the views :meth:`read_tile` handed out)."""
         for dst, src in zip(self.read_tile(tile), state):

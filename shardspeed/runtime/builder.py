@@ -13,10 +13,12 @@ from ..dist.init import init_distributed
 from ..dist.topology import Topology
 from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
+from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..precision import build_loss_scaler
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
+from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
 from ..zero.reducer import GradientReducer, ReducePolicy
 from ..zero.stage3 import build_stage3_units
 from ..zero.unit import FlatParamUnit
@@ -149,8 +151,8 @@ def build_engine(
     )
     manager = None
     if stage == 3:
-        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
-        param_file = _offload_param_shards(units, zero.offload_param, topo.dp_rank)
+        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank,
+                                            placement=_shard_placement(zero.offload_param, topo.dp_rank))
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
@@ -168,7 +170,6 @@ def build_engine(
                                **master_kwargs)
     if manager is not None:
         manager.master = master
-        master.param_file = param_file  # offload_param nvme: closed (files deleted) with the master
     # load_config resolved the batch trio
     assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
     assert cfg.gradient_accumulation_steps is not None
@@ -184,21 +185,17 @@ def build_engine(
     return Engine(parts)
 
 
-def _offload_param_shards(units, offload, rank: int):
-    """offload_param (stage 3): every unit's shard lives in host memory (cpu) or in a file under
-    ``nvme_path`` (nvme) between gathers. Returns the NvmeParamFile (nvme) or None."""
+def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:
+    """Where every stage-3 unit's shard lives between gathers (offload_param): the device, host memory
+    (cpu), or one file per rank under ``nvme_path`` (nvme). Returns a factory of one placement per unit."""
     device = offload.device if offload is not None else "none"
     if device == "nvme":
-        from ..offload.param_file import NvmeParamFile
-
-        param_file = NvmeParamFile(offload.nvme_path, units, rank)
-        for u in units:
-            u.keep_shard_in_file(param_file)
-        return param_file
+        param_file = NvmeParamFile(offload.nvme_path, rank)
+        return lambda: FilePlacement(param_file)
     if device == "cpu":
-        for u in units:
-            u.keep_shard_on_host(bool(offload.pin_memory))
-    return None
+        pin = bool(offload.pin_memory)
+        return lambda: HostPlacement(pin)
+    return DevicePlacement
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

@@ -294,8 +294,9 @@ class Engine:
         seen = set()  # storages already counted (a stage 0-2 shard is a view of its unit's full buffer)
         for unit in self._p.master.units:
             held = [(unit.full, False)] if unit.full is not None and unit.full.numel() else []
-            if not unit.shard_in_file:  # offload_param nvme: the shard is in a file (not counted)
-                held.append((unit.shard, unit.shard_on_host))
+            shard = unit.placement.resident()  # None: the shard is in a file (not counted)
+            if shard is not None:
+                held.append((shard, not unit.placement.on_device))
             for t, on_host in held:
                 key = t.untyped_storage().data_ptr()
                 if key in seen:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..dist.comms import Collectives
+from .placement import DevicePlacement, ShardPlacement
 from .unit import ShardedParamUnit, UnitState
 
 logger = logging.getLogger(__name__)
@@ -327,8 +328,10 @@ def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
     return max(1, min(cap, total // 4))
 
 
-def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int):
-    """Shard ``model``'s parameters into units and hook them. Returns (units, manager)."""
+def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int,
+                       placement: Callable[[], ShardPlacement] = DevicePlacement):
+    """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
+    ``placement()`` (device, host or file, as the builder decided). Returns (units, manager)."""
     all_params = list(dict.fromkeys(model.parameters()))
     total = sum(_numel(p) for p in all_params)
     selected = select_units(model, unit_max_numel(total, zero_cfg.prefetch_bucket_size))
@@ -340,7 +343,7 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
             by_dtype.setdefault(p.dtype, []).append(p)
         for plist in by_dtype.values():
             units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
-                                          group=collectives.group))
+                                          group=collectives.group, placement=placement()))
             owners.append(owner)
     manager = ParamManager(
         units, owners, collectives,
