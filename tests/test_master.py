@@ -19,11 +19,10 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
-
 from distributed import run_distributed
+from torch import nn
 
-TOL = dict(rtol=1e-6, atol=1e-6)
+TOL = {"rtol": 1e-6, "atol": 1e-6}
 LR = 0.05
 
 
@@ -204,7 +203,7 @@ def test_adamw_step_equals_torch_adamw_on_full_params(ranks):
         assert all(a["aliases"]), "fp32 units on the device: the master is the shard itself"
         for step, (got, exp) in enumerate(zip(a["got"], a["exp"])):
             for ui, (g, e) in enumerate(zip(got, exp)):
-                torch.testing.assert_close(g, e, **TOL, msg=lambda m: f"step {step} unit {ui}: {m}")
+                torch.testing.assert_close(g, e, **TOL, msg=lambda m, s=step, u=ui: f"step {s} unit {u}: {m}")
 
 
 def test_ranks_agree_after_step(world2):
@@ -229,7 +228,7 @@ def test_clipping_coefficient(ranks):
             if name == "tight":
                 assert c["norm_exp"] > c["clip"], "the tight case must actually clip"
             for ui, (g, e) in enumerate(zip(c["got"], c["exp"])):
-                torch.testing.assert_close(g, e, **TOL, msg=lambda m: f"{name} unit {ui}: {m}")
+                torch.testing.assert_close(g, e, **TOL, msg=lambda m, w=name, u=ui: f"{w} unit {u}: {m}")
 
 
 def test_overflow_skips_step_on_every_rank(ranks):
@@ -251,12 +250,12 @@ def test_frozen_params_untouched(ranks):
         # unit 0 (35 frozen weight + 7 bias elements) on rank 0 of 2, whose 21-element chunk is all weight
         assert f["master_none"] == [r["world"] == 2 and r["rank"] == 0, False, True]
         for n, p in f["trained_exp"].items():
-            torch.testing.assert_close(f["trained"][n], p, **TOL, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(f["trained"][n], p, **TOL, msg=lambda m, w=n: f"{w}: {m}")
 
 
 def test_bf16_units_with_fp32_masters_write_back(ranks):
     for r in ranks:
-        b, rank = r["bf16"], r["rank"]
+        b = r["bf16"]
         assert b["master_dtype"] == [torch.float32] * 3
         assert b["unit_dtype"] == [torch.bfloat16] * 3
         assert not any(b["aliases"])
@@ -265,6 +264,6 @@ def test_bf16_units_with_fp32_masters_write_back(ranks):
             g = torch.zeros(padded)
             g[: grads[ui].numel()] = grads[ui]
             exp = b["init"][ui] - LR * g[lo:hi]
-            torch.testing.assert_close(b["master"][ui], exp, **TOL, msg=lambda m: f"unit {ui}: {m}")
+            torch.testing.assert_close(b["master"][ui], exp, **TOL, msg=lambda m, u=ui: f"unit {u}: {m}")
             assert torch.equal(b["shard"][ui], b["master"][ui].to(torch.bfloat16)), f"unit {ui}: write-back"
             assert not torch.equal(b["master"][ui], b["init"][ui])

@@ -21,11 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn as nn
-
 from distributed import run_distributed
+from torch import nn
 
-TOL = dict(rtol=1e-6, atol=1e-6)
+TOL = {"rtol": 1e-6, "atol": 1e-6}
 N_BLOCKS = 4
 HEAD, ROOT = 4, 5  # unit indices (blocks are 0-3)
 
@@ -104,7 +103,7 @@ def _run():
             for k in ks:
                 x, y = _data(r, k)
                 (_loss(ref(x), y) / world).backward()
-        grads = dict((n, p.grad) for n, p in ref.named_parameters())
+        grads = {n: p.grad for n, p in ref.named_parameters()}
         outs = []
         for u in units:
             flat = torch.zeros(u.layout.padded_numel)
@@ -227,7 +226,7 @@ SH, GA = "sharded", "gathered"
 def _close(got, exp, what):
     assert len(got) == len(exp) == ROOT + 1
     for i, (g, e) in enumerate(zip(got, exp)):
-        torch.testing.assert_close(g, e, **TOL, msg=lambda m: f"{what} unit {i}: {m}")
+        torch.testing.assert_close(g, e, **TOL, msg=lambda m, i=i: f"{what} unit {i}: {m}")
 
 
 def test_units_are_the_blocks_head_and_root(ranks):

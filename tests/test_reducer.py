@@ -25,11 +25,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
-
 from distributed import run_distributed
+from torch import nn
 
-TOL = dict(rtol=1e-6, atol=1e-6)
+TOL = {"rtol": 1e-6, "atol": 1e-6}
 # (name, stage, overlap): the stage picks ReducePolicy.for_stage; "3" is stage 3's policy over flat units
 POLICIES = [("s0", 0, False), ("s1", 1, True), ("s1sync", 1, False), ("s2", 2, True), ("s3", 3, True)]
 REDUCE_OPS = ("all_reduce", "reduce_scatter")
@@ -154,7 +153,7 @@ def _run():
             res["pending_fresh"] = None
         except ShardspeedError as exc:
             res["pending_fresh"] = str(exc)
-        reducer.set_sync_policy(lambda: sync["on"])
+        reducer.set_sync_policy(lambda sync=sync: sync["on"])
         comm.log.reset()
         sync["on"] = False
         _loss(model, *_data(rank, 1)).backward()
@@ -238,7 +237,7 @@ def _close(got, exp):
     assert len(got) == len(exp)
     for i, (g, e) in enumerate(zip(got, exp)):
         assert g is not None, f"unit {i}: no reduced gradient"
-        torch.testing.assert_close(g, e, **TOL, msg=lambda m: f"unit {i}: {m}")
+        torch.testing.assert_close(g, e, **TOL, msg=lambda m, i=i: f"unit {i}: {m}")
 
 
 def _n_units(res):
@@ -252,7 +251,7 @@ def _expected_op(name):
 def test_policy_for_stage():
     from shardspeed.zero.reducer import ReduceOp, ReducePolicy
 
-    kw = dict(overlap=False, accum_dtype=torch.float32, comm_dtype=torch.float32)
+    kw = {"overlap": False, "accum_dtype": torch.float32, "comm_dtype": torch.float32}
     assert ReducePolicy.for_stage(0, **kw).op is ReduceOp.ALL_REDUCE
     assert not ReducePolicy.for_stage(0, **kw).every_micro_step
     assert ReducePolicy.for_stage(1, **kw).op is ReduceOp.REDUCE_SCATTER

@@ -16,9 +16,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
-
 from distributed import run_distributed
+from torch import nn
 
 
 def _model() -> nn.Module:
@@ -35,7 +34,7 @@ def _run():
 
     from shardspeed.dist.comms import Collectives, CommsLogger
     from shardspeed.dist.topology import Topology
-    from shardspeed.zero.unit import FlatParamUnit, ShardedParamUnit, UnitState
+    from shardspeed.zero.unit import FlatParamUnit, ShardedParamUnit
 
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = Collectives(Topology.data_parallel(), CommsLogger())
