@@ -41,6 +41,10 @@ def mesh_ranks(pipe: int, data: int, model: int) -> List[List[List[int]]]:
     return [[[(p * data + d) * model + m for m in range(model)] for d in range(data)] for p in range(pipe)]
 
 
+#: Topologies built by `Topology.from_mesh`, by (default group, sizes, device).
+_MESHES: dict = {}
+
+
 @dataclass(frozen=True)
 class Topology:
     """This rank's groups: the data-parallel group ZeRO shards over, the device, and the rest of the mesh.
@@ -84,13 +88,24 @@ class Topology:
         """Build the ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
-        every rank (the mesh's own groups, then the pipe × model groups when both are > 1).
+        every rank (the mesh's own groups, then the pipe × model groups when both are > 1). A second call
+        with the same sizes in the same process group reuses the first's groups (no new groups per engine).
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
         world = dist.get_world_size()
         sizes = mesh_sizes(world, pipe, model)
         device = local_device()
+        default = dist.distributed_c10d._get_default_group()
+        if any(k[0] is not default for k in _MESHES):
+            _MESHES.clear()  # torch.distributed was re-initialised: the old groups are gone
+        key = (default, sizes, device)
+        if key not in _MESHES:
+            _MESHES[key] = cls._build_mesh(sizes, device)
+        return _MESHES[key]
+
+    @classmethod
+    def _build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> "Topology":
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
         groups = {name: mesh.get_group(name) for name in MESH_DIMS}
         ranks = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
