@@ -117,7 +117,7 @@ def _world4() -> dict:
         out[f"mesh{stage}"] = {
             "losses": _train(engine, slice_, dp_rank), "params": gathered_params(engine),
             "dp": engine.dp_world_size, "batch": engine.train_batch_size(), "slice": slice_,
-            "mpu": _group_report(lambda n: getattr(engine.mpu, n)),
+            "mpu": _group_report(lambda n, e=engine: getattr(e.mpu, n)),
             "groups": _group_report(lambda n: getattr(groups, n)),
         }
         topologies.append(engine.mpu.topology)
@@ -133,7 +133,7 @@ def _world4() -> dict:
     # 3. topologies that cannot train yet: pipe 2 × data 2, and pipe 2 × model 2 (a pipe × model group)
     for shape in ((2, 1), (2, 2)):
         topo = Topology.from_mesh(pipe=shape[0], model=shape[1])
-        out[f"topo{shape}"] = (topo.mesh_shape, topo.dp_rank, _group_report(lambda n: getattr(MeshMPU(topo), n)))
+        out[f"topo{shape}"] = (topo.mesh_shape, topo.dp_rank, _group_report(lambda n, t=topo: getattr(MeshMPU(t), n)))
     # 4. errors, raised alike on every rank
     errors = {}
     bad = {"stages3": _config(0, pipeline={"stages": 3}), "stages2": _config(0, pipeline={"stages": 2}),
@@ -168,12 +168,12 @@ def _check_training(results, key, group_of, case):
         assert got["dp"] == 2
         for name, p in ref["params"].items():
             torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{case} rank {r} param {name}: {m}")
+                                       msg=lambda m, r=r, name=name: f"{case} rank {r} param {name}: {m}")
     for g in (0, 1):  # each group's global mean loss per step equals the reference's
         members = [res[key]["losses"] for r, res in enumerate(results) if group_of(r) == g]
         per_step = torch.tensor(members).view(len(members), STEPS, GAS).mean(dim=(0, 2))
         torch.testing.assert_close(per_step, torch.tensor(refs[g]["losses"]), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"{case} group {g} losses: {m}")
+                                   msg=lambda m, g=g: f"{case} group {g} losses: {m}")
 
 
 def test_world4_mesh_mpu_and_errors():

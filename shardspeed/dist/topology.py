@@ -163,7 +163,7 @@ def check_user_groups(reports: Sequence[Any]) -> None:
     ``(global rank, data-group members, (rank, size) the mpu claims, model-parallel size, tensor size,
     pipe size)``. Raises one `ConfigError` naming the first disagreement; identical on every rank."""
     world = len(reports)
-    for rank, members, (claimed_rank, claimed_size), mp_size, _tp, pp_size in reports:
+    for rank, members, (claimed_rank, claimed_size), *_sizes in reports:
         if members is None or rank not in members:
             raise ConfigError(f"mpu: rank {rank} is not in its own data-parallel group "
                               f"(mpu.get_data_parallel_group() on rank {rank} returned a group of ranks "
