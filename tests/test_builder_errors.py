@@ -31,6 +31,6 @@ def test_model_must_be_a_module():
         shardspeed.initialize(model=lambda x: x, config=dict(BASE, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
 
 
-def test_mpu_is_refused_clearly():
-    with pytest.raises(ConfigError, match="mpu"):
+def test_mpu_without_groups_is_refused_clearly():
+    with pytest.raises(ConfigError, match="mpu= must have get_data_parallel_group"):
         shardspeed.initialize(model=make_model("mlp"), mpu=object(), config=BASE)

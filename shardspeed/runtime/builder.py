@@ -7,15 +7,16 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..config import ShardspeedConfig, load_config
+from ..config import ShardspeedConfig, load_config, parse_config
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
-from ..dist.topology import Topology
+from ..dist.topology import Topology, mesh_sizes
 from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..precision import build_loss_scaler
+from ..utils import groups as ds_groups
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
@@ -105,13 +106,15 @@ def build_engine(
     lr_scheduler=None,
     collate_fn=None,
     dist_init_required: Optional[bool] = None,
+    mpu=None,
 ) -> Engine:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dist_init_required is not False:
         init_distributed()
-    topo = Topology.data_parallel()
-    cfg = load_config(config, world_size=topo.dp_size)
+    cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
+    topo = _topology(cfg, mpu)
+    cfg = load_config(cfg, world_size=topo.dp_size)
     zero = cfg.zero_optimization
     stage = zero.stage
     train_dtype = cfg.train_dtype
@@ -182,7 +185,31 @@ def build_engine(
         wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
     )
-    return Engine(parts)
+    engine = Engine(parts)
+    ds_groups.set_topology(topo)
+    return engine
+
+
+def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
+    """The mesh (pipe × data × model) from the config's sizes, or the groups of a user's mpu."""
+    stages, tp = cfg.pipeline.num_stages, cfg.tensor_parallel.size
+    if mpu is not None:
+        topo = Topology.from_mpu(mpu)
+        for key, want, got in (("pipeline.stages", stages, topo.pipe_size),
+                               ("tensor_parallel.autotp_size", tp, topo.model_size)):
+            if want > 1 and want != got:
+                raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
+                                  f"(the mpu decides the groups) or make them agree")
+        if topo.mp_size > 1 and cfg.gradient_clipping > 0:
+            logger.warning("mpu= has model-parallel size %d: the gradient norm (clipping, fp16 overflow) is taken "
+                           "over the data-parallel group only, which is right only while the model-parallel ranks hold "
+                           "replicas of the whole model",
+                           topo.mp_size)
+        return topo
+    mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
+    if stages > 1:
+        raise ConfigError(f"pipeline.stages {stages}: pipeline parallelism is not implemented yet; use 1 or \"auto\"")
+    return Topology.from_mesh(pipe=stages, model=tp)
 
 
 def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:

@@ -124,6 +124,13 @@ class Engine:
         return self._p.topology.dp_size
 
     @property
+    def mpu(self):
+        """DeepSpeed's group getters (`shardspeed.dist.mpu.MeshMPU`), or the user's ``initialize(mpu=...)``."""
+        from ..dist.mpu import mpu_for
+
+        return mpu_for(self._p.topology)
+
+    @property
     def global_rank(self) -> int:
         return torch.distributed.get_rank()
 
