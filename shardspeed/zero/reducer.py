@@ -320,15 +320,15 @@ class GradientReducer:
         return g.result[lo:hi]
 
     def zero_grads(self) -> None:
-        """After the step: forget every gradient (stages 0-1 keep the full buffer as the next bucket)."""
+        """After the step: forget every gradient. Stages 2-3 free their reduced chunks (allocated again as the
+        next backward reduces, so the gradient shards grow through backward instead of being held from its
+        start, as FSDP2's ``zero_grad(set_to_none=True)``); stages 0-1 keep the full buffer as the next
+        bucket."""
         self._arrived = False
         for g in self._grads:
             g.dirty = False
             if self.policy.every_micro_step:
-                if g.result is not None:
-                    g.result.zero_()
-                if g.bucket is not None:
-                    g.bucket.zero_()
+                g.result = g.bucket = None
                 continue
             if g.bucket is None and g.result is not None:
                 g.bucket, g.result = g.result, None
