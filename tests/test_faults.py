@@ -56,3 +56,74 @@ def test_diverged_rank_times_out_with_a_message():
     assert r0["error"] is not None and r0["step"] == 2, r0
     assert "different numbers of steps" in r0["error"]
     assert r0["seconds"] < 8
+
+
+# ---- non-finite gradients (issue 16): skipped on every rank in every dtype ---------------------------------
+NAN_STEP, NAN_STEPS = 2, 4
+
+
+def _nan_cfg(stage: int, dtype: str, check: bool = True) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                        "warmup_num_steps": 10}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
+                                 "stage3_param_persistence_threshold": 0}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True, "check_grad_overflow": check}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    elif not check:
+        cfg["bf16"] = {"enabled": False, "check_grad_overflow": False}
+    return cfg
+
+
+def _nan_runs():
+    """Per (stage, dtype): a run whose rank 1 alone has a NaN loss at step NAN_STEP, and a run without that
+    batch at all. Also fp32 with check_grad_overflow false (the NaN is applied)."""
+    import torch
+    import torch.distributed as dist
+
+    import shardspeed
+    from models import gathered_params
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches("mlp", NAN_STEPS, 2 * world)
+    out = {}
+    cases = [(s, d, True) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16")] + [(2, "fp32", False)]
+    for stage, dtype, check in cases:
+        runs = {}
+        for name in ("nan", "without"):
+            engine, _, _, sched = shardspeed.initialize(model=make_model("mlp"), config=_nan_cfg(stage, dtype, check))
+            for step, batch in enumerate(batches):
+                if name == "without" and step == NAN_STEP:
+                    continue
+                loss = engine(*micro_batch(batch, rank, world, 0, 1))
+                if name == "nan" and step == NAN_STEP and rank == 1:
+                    loss = loss * float("nan")
+                engine.backward(loss)
+                engine.step()
+            params = gathered_params(engine)
+            runs[name] = dict(params=params, skipped=engine.skipped_steps, lr=engine.get_lr()[0],
+                              finite=all(bool(torch.isfinite(p).all()) for p in params.values()))
+        out[(stage, dtype, check)] = runs
+    return out
+
+
+def test_nonfinite_gradients_skip_the_step_on_every_rank():
+    import torch
+
+    results = run_distributed(_nan_runs, 2, timeout=400)
+    for case, runs in results[0].items():
+        stage, dtype, check = case
+        nan, without = runs["nan"], runs["without"]
+        if not check:  # turned off: the NaN reaches the weights, as the user asked
+            assert not nan["finite"] and nan["skipped"] == 0, case
+            continue
+        assert nan["finite"] and nan["skipped"] == 1, (case, nan["skipped"])
+        assert nan["lr"] == without["lr"], (case, "the LR schedule holds on a skipped step")
+        if dtype != "fp16":  # fp16 also halves its loss scale on the skip: the runs then round differently
+            for n, p in without["params"].items():
+                torch.testing.assert_close(nan["params"][n], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{case} {n}: {m}")
+        for n, p in nan["params"].items():  # every rank holds the same weights
+            assert torch.equal(results[1][case]["nan"]["params"][n], p), (case, n)

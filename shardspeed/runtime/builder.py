@@ -162,7 +162,7 @@ def build_engine(
         world = 1 if stage == 0 else topo.dp_size
         units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
-    master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled)
+    master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=_check_overflow(cfg))
     offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
     master: MasterWeights
     if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
@@ -223,6 +223,13 @@ def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:
         pin = bool(offload.pin_memory)
         return lambda: HostPlacement(pin)
     return DevicePlacement
+
+
+def _check_overflow(cfg: ShardspeedConfig) -> bool:
+    """Skip a step whose global gradient norm is inf/nan: always with fp16 (loss scaling needs it), and in
+    every other dtype unless ``bf16.check_grad_overflow`` is false (DeepSpeed skips such steps at ZeRO
+    stages 1-3 in fp32 and bf16 too)."""
+    return bool(cfg.fp16.enabled) or bool(cfg.bf16.check_grad_overflow)
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

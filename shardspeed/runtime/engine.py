@@ -229,8 +229,14 @@ class Engine:
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
             self.skipped_steps += 1
-            if self.global_rank == 0:
-                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps, p.loss_scaler.scale)
+            if self.global_rank == 0 and p.loss_scaler.dynamic:  # routine under fp16 loss scaling
+                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps,
+                            p.loss_scaler.scale)
+            elif self.global_rank == 0:
+                logger.warning("step %d: the global gradient norm is %s: step skipped on every rank (%d skipped so "
+                               "far), the LR schedule holds. A NaN/inf loss or gradient on some rank, e.g. from "
+                               "bad data; set bf16.check_grad_overflow false to apply such steps anyway.",
+                               self.global_steps, result.grad_norm, self.skipped_steps)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         p.reducer.zero_grads()
