@@ -83,9 +83,9 @@ def _nan_runs():
     batch at all. Also fp32 with check_grad_overflow false (the NaN is applied)."""
     import torch
     import torch.distributed as dist
+    from models import gathered_params
 
     import shardspeed
-    from models import gathered_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = make_batches("mlp", NAN_STEPS, 2 * world)
