@@ -124,6 +124,6 @@ def test_nonfinite_gradients_skip_the_step_on_every_rank():
         assert nan["lr"] == without["lr"], (case, "the LR schedule holds on a skipped step")
         if dtype != "fp16":  # fp16 also halves its loss scale on the skip: the runs then round differently
             for n, p in without["params"].items():
-                torch.testing.assert_close(nan["params"][n], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{case} {n}: {m}")
+                torch.testing.assert_close(nan["params"][n], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=n, c=case: f"{c} {n}: {m}")
         for n, p in nan["params"].items():  # every rank holds the same weights
             assert torch.equal(results[1][case]["nan"]["params"][n], p), (case, n)
