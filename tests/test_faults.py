@@ -127,3 +127,46 @@ def test_nonfinite_gradients_skip_the_step_on_every_rank():
                 torch.testing.assert_close(nan["params"][n], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=n, c=case: f"{c} {n}: {m}")
         for n, p in nan["params"].items():  # every rank holds the same weights
             assert torch.equal(results[1][case]["nan"]["params"][n], p), (case, n)
+
+
+# ---- stage 3 with rank-dependent control flow (issue 16): a named error on every rank, no abort -------------
+def _divergent_stage3():
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import shardspeed
+    from shardspeed.errors import DistributedError
+
+    class SkipsABlockOnRank1(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x, y):
+            for i, block in enumerate(self.blocks):
+                if i == 2 and dist.get_rank() == 1:
+                    continue
+                x = torch.tanh(block(x))
+            return F.mse_loss(self.head(x), y)
+
+    torch.manual_seed(0)
+    cfg = dict(CFG, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    engine, *_ = shardspeed.initialize(model=SkipsABlockOnRank1(), config=cfg)
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    try:
+        engine.backward(engine(x, y))
+        engine.step()
+    except DistributedError as e:
+        return str(e)
+    return None
+
+
+def test_stage3_divergent_control_flow_names_the_module_on_every_rank():
+    errors = run_distributed(_divergent_stage3, 2, timeout=120, collective_timeout=20)
+    for rank, msg in enumerate(errors):
+        assert msg is not None and "diverged" in msg, (rank, msg)
+        assert "blocks.2" in msg or "blocks.3" in msg, (rank, msg)
+    assert "blocks.2" in errors[0] and "blocks.3" in errors[1], errors

@@ -25,9 +25,11 @@ import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..dist.comms import Collectives
+from ..errors import DistributedError
 from .placement import DevicePlacement, ShardPlacement
 from .unit import ShardedParamUnit, UnitState
 
@@ -108,6 +110,7 @@ class ParamManager:
         self._in_backward = False
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
+        self.check_order = True  # agree on each gather across ranks (see _agree)
         self._hooks = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
         self._root = root
@@ -146,39 +149,77 @@ class ParamManager:
     # ---- gather / release ------------------------------------------------------------------------
     def _gather(self, index: int) -> None:
         u = self.units[index]
-        if u.state is not UnitState.GATHERED:
-            if not u.gathering:
-                u.start_gather(self.comm)
-                self.gather_count += 1
-            u.finish_gather()
         tr = self._tracing.get(self._phase)
         if tr is not None and index not in tr:
             tr.append(index)
-        self._prefetch_after(index)
+        start = [] if u.state is UnitState.GATHERED or u.gathering else [index]
+        start += self._prefetch_plan(index, start)
+        if start:
+            self._agree(start, index)
+        for i in start:
+            self.units[i].start_gather(self.comm)
+            self.gather_count += 1
+        if u.state is not UnitState.GATHERED:
+            u.finish_gather()
 
-    def _prefetch_after(self, index: int) -> None:
+    def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
+        """The units to all-gather ahead of use after ``index``, from the traced order (within the prefetch
+        budget and ``stage3_max_live_parameters``, counting ``starting`` as live)."""
         order = self._trace.get(self._phase)
         if not order or self.prefetch_numel <= 0:
-            return
+            return []
         try:
             pos = order.index(index, self._pos[self._phase])
         except ValueError:  # out of the traced order (interleaved micro-batches): look from the start
             try:
                 pos = order.index(index)
             except ValueError:
-                return
+                return []
         self._pos[self._phase] = pos
         live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
+        live += sum(self.units[i].numel for i in starting)
         budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
+        plan: List[int] = []
         for nxt in order[pos + 1 :]:
             u = self.units[nxt]
-            if u.state is UnitState.GATHERED or u.gathering:
+            if u.state is UnitState.GATHERED or u.gathering or nxt in starting or nxt in plan:
                 continue
             if u.numel > budget:
                 break
             budget -= u.numel
-            u.start_gather(self.comm)
-            self.gather_count += 1
+            plan.append(nxt)
+        return plan
+
+    def _agree(self, starting: List[int], needed: int) -> None:
+        """Before issuing all-gathers, check that every rank is about to gather the same units: one tiny
+        all-reduce (a host sync point). Ranks whose forward or backward took different modules (rank-
+        dependent control flow) would otherwise issue mismatched collectives, which gloo answers with an
+        abort and NCCL with a hang; here every rank raises a DistributedError naming the modules instead."""
+        if self.comm.world == 1 or not self.check_order:
+            return
+        fp = 0
+        for i in starting:  # a fingerprint of the sequence, in 62 bits
+            fp = (fp * 1_000_003 + i + 1) % (1 << 62)
+        t = torch.tensor([fp, -fp, needed, -needed], dtype=torch.int64, device=self.units[needed].device)
+        self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) == fp and int(t[1]) == -fp:
+            return
+        lo, hi = -int(t[3]), int(t[2])
+        raise DistributedError(
+            f"ZeRO stage 3: ranks diverged in the {self._phase}: this rank (data-parallel rank "
+            f"{self.comm.topology.dp_rank}) needs the parameters of {self._module_name(needed)} (unit {needed}) "
+            f"while other ranks need unit {hi if hi != needed else lo} ({self._module_name(hi if hi != needed else lo)})"
+            f". Stage 3 gathers parameters collectively, so every rank must run the same modules in the same "
+            f"order; rank-dependent control flow (a module skipped on some ranks) needs stage 0-2, or make the "
+            f"choice the same on every rank (e.g. decide it on rank 0 and broadcast it)."
+        )
+
+    def _module_name(self, index: int) -> str:
+        owner = self._owners[index]
+        for name, m in self._root.named_modules():
+            if m is owner:
+                return f"module '{name}'" if name else "the root module"
+        return type(owner).__name__
 
     def _release(self, index: int) -> None:
         if index in self.persistent or index in self._keep:
