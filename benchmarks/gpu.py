@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -215,7 +215,7 @@ def _child(args) -> dict:
         "tflops": flops_per_token * tokens / med / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-        "losses": [float(l) for l in losses],
+        "losses": [float(v) for v in losses],
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
         "torch": torch.__version__,
     }

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for step in range(args.steps):
+    for _ in range(args.steps):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -18,8 +18,6 @@ wrapper's sight: its bytes come from DDP's own bucket sizes (every bucket is all
 from __future__ import annotations
 
 import functools
-import io
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -29,7 +27,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,11 +135,10 @@ def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, por
     try:
         import datetime
         import logging
+        import warnings
 
         import torch
         import torch.distributed as dist
-
-        import warnings
 
         logging.disable(logging.WARNING)
         warnings.filterwarnings("ignore")
@@ -149,7 +146,7 @@ def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, por
         counter = CommCounter()
         counter.install()  # before DeepSpeed is imported: it keeps references to some collectives
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        from benchmarks.models import build_model, make_batch, MODELS, num_params
+        from benchmarks.models import MODELS, build_model, make_batch, num_params
         from benchmarks.systems import Skip, build_system
 
         if system.startswith("ds"):
@@ -225,7 +222,7 @@ def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, por
 
 
 def _last_line(text: str) -> str:
-    lines = [l for l in text.strip().splitlines() if l.strip()]
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return (lines[0] + " ... " + lines[-1]) if len(lines) > 1 else (lines[0] if lines else "")
 
 
@@ -280,7 +277,7 @@ class SystemGroup:
             except queue.Empty:
                 dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})")
+                    raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})") from None
                 continue
             if kind == "error":
                 raise RuntimeError(f"{self.system} rank {rank} failed:\n{payload}")

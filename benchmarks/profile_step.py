@@ -92,7 +92,7 @@ def _phases(sysobj):
     if hasattr(sysobj, "engine"):
         e = sysobj.engine
         return (lambda x, y: e(x, y)), (lambda loss: e.backward(loss)), (lambda: e.step())
-    m, opt = sysobj.model, sysobj.opt
+    m = sysobj.model
 
     def optim():
         torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)

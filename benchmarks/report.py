@@ -19,7 +19,7 @@ def machine() -> Dict[str, str]:
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
     try:
@@ -36,7 +36,7 @@ def machine() -> Dict[str, str]:
     import time
 
     try:
-        load = "%.1f %.1f %.1f" % os.getloadavg()
+        load = "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
     except OSError:
         load = ""
     return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_at_start": load,

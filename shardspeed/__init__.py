@@ -29,7 +29,9 @@ def initialize(
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
     the data loader is None unless ``training_data`` is given. ``optimizer`` may be a torch optimizer
-    (moved onto the fp32 master weights) or a callable taking parameter groups.
+    (moved onto the fp32 master weights) or a callable taking parameter groups. ``mpu`` is a
+    Megatron-style model-parallel unit: ZeRO then shards over ``mpu.get_data_parallel_group()`` (as in
+    DeepSpeed) instead of the data dimension of the mesh built from the config.
     """
     from .monitor.log import setup_logging
     from .runtime.builder import build_engine
@@ -41,11 +43,9 @@ def initialize(
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
-    if mpu is not None:
-        raise ConfigError("mpu= (model-parallel unit) is not supported yet; pass mpu=None")
     engine = build_engine(model, config, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
-                          dist_init_required=dist_init_required)
+                          dist_init_required=dist_init_required, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -250,7 +250,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     print("{:<6}{:<12}{:>10}{:>10}{:>10}{:>13}{:>12}".format(*header))
     for s, oo, op, m in rows:
         offload = "+".join(x for x, on in (("optim", oo), ("param", op)) if on) or "-"
-        print("{:<6}{:<12}{:>10.2f}{:>10.2f}{:>10.2f}{:>13.2f}{:>12.2f}".format(
+        print("{:<6}{:<12}{:>10.2f}{:>10.2f}{:>10.2f}{:>13.2f}{:>12.2f}".format(  # noqa: UP032 (a table row)
             s, offload, (m.params_device + m.params_host) / gb, (m.grads_device + m.grads_host) / gb,
             (m.optimizer_device + m.optimizer_host) / gb, m.device / gb, m.host / gb))
     return 0

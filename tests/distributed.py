@@ -39,6 +39,7 @@ def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeou
         import torch
         torch.set_num_threads(1)
         import torch.distributed as dist
+
         from shardspeed.dist import init_distributed
 
         init_distributed(backend="gloo", timeout=collective_timeout)
@@ -86,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
                         if p.exitcode not in (None, 0) and i not in out and i not in may_die]
                 if dead and not errors:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[i].exitcode for i in dead]} "
-                                       f"without reporting")
+                                       f"without reporting") from None
                 continue
             if status == "ok":
                 import torch

@@ -1,10 +1,10 @@
 """Mistakes in initialize() arguments fail at once with one clear line, before anything is changed."""
 import pytest
 import torch
+from models import make_model
 
 import shardspeed
 from shardspeed.errors import ConfigError
-from models import make_model
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -31,6 +31,6 @@ def test_model_must_be_a_module():
         shardspeed.initialize(model=lambda x: x, config=dict(BASE, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
 
 
-def test_mpu_is_refused_clearly():
-    with pytest.raises(ConfigError, match="mpu"):
+def test_mpu_without_groups_is_refused_clearly():
+    with pytest.raises(ConfigError, match="mpu= must have get_data_parallel_group"):
         shardspeed.initialize(model=make_model("mlp"), mpu=object(), config=BASE)

@@ -16,7 +16,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import make_batches, make_model, micro_batch
 
@@ -169,7 +168,7 @@ def _save_group(root: str, resume_cases, reshard_stages, loader_stages=()) -> di
         e, loader = _loader_engine(stage)
         d = os.path.join(root, "loader", f"s{stage}")
         saving = _loader_steps(e, loader, LOADER_STEPS,
-                               on_step=lambda n: e.save_checkpoint(d, tag=f"step{n}") if n in LOADER_SAVES else None)
+                               on_step=lambda n, e=e, d=d: e.save_checkpoint(d, tag=f"step{n}") if n in LOADER_SAVES else None)
         out[("loader", stage)] = {"straight": straight, "saving": saving}
     for kind, stage, dtype in resume_cases:
         batches = make_batches(kind, 2 * K, GLOBAL_BATCH)
@@ -360,7 +359,7 @@ def test_reshard_continues_like_the_original_run(runs, group, src_stage, src_wor
     assert got["global_steps"] == K
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["straight"][K:]), rtol=1e-5, atol=1e-6)
     for n, p in ref["params"].items():
-        torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ---- consolidation and export ----------------------------------------------------------------------------

@@ -10,12 +10,17 @@ import os
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import make_batches, make_model, micro_batch
 
-from shardspeed.checkpoint.metadata import (METADATA_FILE, VERSION, CheckpointMetadata, Entry, flat_range_to_box,
-                                            layer_of)
+from shardspeed.checkpoint.metadata import (
+    METADATA_FILE,
+    VERSION,
+    CheckpointMetadata,
+    Entry,
+    flat_range_to_box,
+    layer_of,
+)
 from shardspeed.errors import CheckpointError
 
 

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import make_batches, make_model, micro_batch
 
@@ -86,7 +85,7 @@ def test_sigkill_during_save_leaves_latest_loadable(tmp_path):
             run_distributed(_crash, 2, d, spec, tag, timeout=60)
         dirs.append(d)
     got = run_distributed(_load_all, 2, dirs)[0]
-    for (spec, tag), d, (path, steps, params) in zip(POINTS, dirs, got):
+    for (spec, tag), _d, (path, steps, params) in zip(POINTS, dirs, got):
         if spec == "after_rename" and tag == "same":
             # the new checkpoint was committed under the same tag (`latest` already named it)
             assert steps == 3, (spec, tag)

@@ -3,10 +3,9 @@ import json
 import pytest
 import torch
 
-from shardspeed.cli import build_torchrun_argv, main, parse_count, UsageError
+from shardspeed.cli import UsageError, build_torchrun_argv, main, parse_count
 from shardspeed.errors import ConfigError
 from shardspeed.memory_estimate import estimate_model_state_memory
-
 
 # ---- estimate: the ZeRO paper's arithmetic, checked by hand ----
 

@@ -1,6 +1,5 @@
 """Logged collectives: results, byte accounting, and gloo's sliced all-gather."""
 import torch
-
 from distributed import run_distributed
 
 

@@ -12,7 +12,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from test_memory import Net
 
@@ -64,7 +63,10 @@ def test_bytes_per_step_match_zero_accounting(measured):
         elem = 4 if r["dtype"] == "fp32" else 2
         factor = 3 if r["stage"] == 3 else 2
         want = factor * r["psi"] * elem
-        slack = factor * (r["padded"] - r["psi"]) * elem + 64  # padding, and the norm/overflow scalars
+        # padding, and small all-reduces: the norm/overflow scalar and, at stage 3, one 4 x int64 agreement on
+        # the gather order before each batch of all-gathers (each counted twice in paper bytes)
+        small = r["summary"].get("all_reduce", {}).get("count", 0) if r["stage"] == 3 else 1
+        slack = factor * (r["padded"] - r["psi"]) * elem + 64 * small
         got = sum(s["paper_bytes"] for s in r["summary"].values())
         assert want - 1 <= got <= want + slack, (
             f"stage {r['stage']} {r['dtype']}: {got:.0f} paper bytes, expected {want} (+{slack} slack): {r['summary']}")
@@ -72,7 +74,7 @@ def test_bytes_per_step_match_zero_accounting(measured):
 
 def test_ops_per_stage(measured):
     for r in measured:
-        ops = {op for op, s in r["summary"].items() if s["msg_bytes"] > 64}
+        ops = {op for op, s in r["summary"].items() if s["msg_bytes"] / s["count"] > 64}  # per message
         want = {0: {"all_reduce"}, 1: {"reduce_scatter", "all_gather"}, 2: {"reduce_scatter", "all_gather"},
                 3: {"reduce_scatter", "all_gather"}}[r["stage"]]
         assert ops == want, f"stage {r['stage']} {r['dtype']}: large collectives {ops}, expected {want}"

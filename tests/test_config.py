@@ -6,11 +6,21 @@ import logging
 import os
 import pathlib
 
+import pydantic
 import pytest
 import torch
 
-from shardspeed.config import (ShardspeedConfig, ZeroConfig, FP16Config, BF16Config, OffloadOptimizerConfig,
-                               OffloadParamConfig, CommsLoggerConfig, load_config, resolve_batch_sizes)
+from shardspeed.config import (
+    BF16Config,
+    CommsLoggerConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ShardspeedConfig,
+    ZeroConfig,
+    load_config,
+    resolve_batch_sizes,
+)
 from shardspeed.config.docs import render_markdown
 from shardspeed.errors import ConfigError
 
@@ -298,7 +308,7 @@ def test_overlap_comm_explicit():
 
 def test_config_is_frozen():
     c = load_config(cfg())
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         c.gradient_clipping = 2.0
 
 
@@ -461,8 +471,10 @@ def ds():
         from deepspeed.runtime import constants as C
         from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-        from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                           DeepSpeedZeroOffloadParamConfig)
+        from deepspeed.runtime.zero.offload_config import (
+            DeepSpeedZeroOffloadOptimizerConfig,
+            DeepSpeedZeroOffloadParamConfig,
+        )
     except Exception as e:  # a broken install is not our bug
         pytest.skip(f"deepspeed cannot be imported: {e}")
     return {"zero": (DeepSpeedZeroConfig(), ZeroConfig()), "fp16": (DeepSpeedFP16Config(), FP16Config()),

@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import gathered_params, make_batches, make_model, micro_batch
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import make_batches, make_model, micro_batch
 

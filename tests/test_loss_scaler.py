@@ -13,7 +13,7 @@ from shardspeed.precision import (
     has_inf_or_nan,
 )
 
-O, N = True, False  # overflow / clean step
+O, N = True, False  # noqa: E741  (overflow / clean step: one letter keeps the flag tables readable)
 
 
 def run(scaler, flags):

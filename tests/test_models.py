@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from shardspeed.models import GPT, GPTConfig, PRESETS
+from shardspeed.models import GPT, PRESETS, GPTConfig
 from shardspeed.models.gpt import Block
 
 

@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import gathered_params, make_model, train_global_losses
 
@@ -68,18 +67,20 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
            "scale": engine.loss_scale}
     master = engine._p.master
     out["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in master.units)
-    pf = getattr(master, "param_file", None)
+    placements = [u.placement for u in master.units]
+    pf = placements[0].file if placements and placements[0].in_file else None
     if pf is not None:  # offload_param nvme: the file holds every shard, none is kept in memory
         out["pfile_dir"], out["pfile_list"] = pf.dir, sorted(os.listdir(pf.dir))
         with open(pf.path, "rb") as f:
             raw = f.read()
         out["pfile_size"] = len(raw)
         out["pfile_holds_shards"] = all(
-            u._shard is None and u.shard_in_file and torch.equal(
-                torch.frombuffer(bytearray(raw[pf.offsets[u.index]: pf.offsets[u.index] + u.shard.numel()
+            u.placement.where == "file" and u.placement.resident() is None and u.placement.bytes_held() == 0
+            and u.placement.file is pf and torch.equal(
+                torch.frombuffer(bytearray(raw[u.placement.offset: u.placement.offset + u.shard.numel()
                                                * u.shard.element_size()]), dtype=u.dtype), u.shard)
             for u in master.units)
-    out["shards_on_host"] = [u.shard_on_host and u.shard.device.type == "cpu" for u in master.units]
+    out["shards_on_host"] = [not u.placement.on_device and u.shard.device.type == "cpu" for u in master.units]
     if hasattr(master, "host_store") and master.host_store is not None and hasattr(master.host_store, "dir"):
         out["nvme_dir"] = master.host_store.dir
         out["nvme_files"] = sorted(os.listdir(master.host_store.dir))
@@ -159,10 +160,10 @@ def test_offload_matches_no_offload(tmp_path):
             dtype = case[3]
             tol = 1e-6 if dtype == "fp32" else 1e-6  # same kernel, same inputs: low precision matches too
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=0,
-                                       msg=lambda m: f"rank {r} {case} losses: {m}")
+                                       msg=lambda m, r=r, case=case: f"rank {r} {case} losses: {m}")
             for name, p in ref["params"].items():
                 torch.testing.assert_close(got["params"][name], p, rtol=tol, atol=1e-7,
-                                           msg=lambda m: f"rank {r} {case} param {name}: {m}")
+                                           msg=lambda m, r=r, case=case, name=name: f"rank {r} {case} param {name}: {m}")
             assert got["skipped"] == ref["skipped"], case
             if dtype == "fp16":
                 assert 1 <= ref["skipped"] < STEPS, f"{case}: skipped {ref['skipped']} of {STEPS} steps"

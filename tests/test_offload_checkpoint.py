@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from distributed import run_distributed
 from models import make_batches, make_model
 from test_checkpoint import GLOBAL_BATCH, K, _seed_all, _steps
@@ -58,7 +57,7 @@ def _params(engine) -> dict:
 
     full, shapes = {}, {}
     for u in engine._p.master.units:
-        for i, (prm, shape) in enumerate(zip(u.params, u.shapes)):
+        for prm, shape in zip(u.params, u.shapes):
             name = next(n for n, p in engine.module.named_parameters() if p is prm)
             shapes[name] = shape
             full.setdefault(name, torch.zeros(shape.numel()))
@@ -177,7 +176,7 @@ def test_offloaded_checkpoints(tmp_path):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{what}: {m}")
         for n, p in ref_params.items():
-            torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {n}: {m}")
+            torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{what} {n}: {m}")
 
     # offload (nvme, stage 3, world 2) → no offload (stage 1, world 1): continues like the original run
     ref = saved["reshard"]
@@ -190,9 +189,9 @@ def test_offloaded_checkpoints(tmp_path):
 
 def _frozen_pnvme_group(root: str) -> list:
     import torch.distributed as dist
+    from models import micro_batch
 
     import shardspeed
-    from models import micro_batch
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,

@@ -101,32 +101,32 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
         NvmeStateStore(str(tmp_path), _tiles(2, 100), buffer_count=2, pin_memory=False, rank=0)
     with pytest.raises(ConfigError, match="buffer_count"):
         NvmeStateStore(str(tmp_path), _tiles(2, 100), buffer_count=0, pin_memory=False, rank=0)
-    # offload_param nvme: the same checks, naming the parameter shards
-    from shardspeed.offload.param_file import NvmeParamFile
+    # offload_param nvme: the same checks, naming the parameter shards (made as each unit reserves its region)
+    from shardspeed.offload.param_file import FilePlacement, NvmeParamFile
     from shardspeed.zero.unit import ShardedParamUnit
 
-    unit = ShardedParamUnit([torch.nn.Parameter(torch.randn(3000))], world=2, rank=0)
+    pf = NvmeParamFile(str(tmp_path), rank=0)
     with pytest.raises(ConfigError, match="GiB free; this rank needs .* for the parameter shards"):
-        NvmeParamFile(str(tmp_path), [unit], rank=0)
+        ShardedParamUnit([torch.nn.Parameter(torch.randn(3000))], world=2, rank=0, placement=FilePlacement(pf))
+    pf.close()
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="not a directory|cannot be created"):
-        NvmeParamFile(str(f), [unit], rank=0)
+        NvmeParamFile(str(f), rank=0)
 
 
 def test_param_file_holds_the_shard(tmp_path):
     """offload_param nvme: the shard lives only in the file; reads are copies, write_shard stores."""
-    from shardspeed.offload.param_file import NvmeParamFile
+    from shardspeed.offload.param_file import FilePlacement, NvmeParamFile
     from shardspeed.zero.unit import ShardedParamUnit
 
-    units = [ShardedParamUnit([torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))], world=2, rank=1, index=i)
-             for i, n in enumerate((5, 3001))]
-    before = [u.shard.clone() for u in units]
-    pf = NvmeParamFile(str(tmp_path), units, rank=1)
-    for u in units:
-        u.keep_shard_in_file(pf)
-    assert os.path.getsize(pf.path) == 2 * 4096 and pf.offsets == {0: 0, 1: 4096}
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (5, 3001)]
+    before = [ShardedParamUnit([torch.nn.Parameter(p.detach().clone())], world=2, rank=1).shard for p in params]
+    pf = NvmeParamFile(str(tmp_path), rank=1)
+    units = [ShardedParamUnit([p], world=2, rank=1, index=i, placement=FilePlacement(pf))
+             for i, p in enumerate(params)]
+    assert os.path.getsize(pf.path) == 2 * 4096 and [u.placement.offset for u in units] == [0, 4096]
     for u, b in zip(units, before):
-        assert u._shard is None and u.shard_on_host and torch.equal(u.shard, b)
+        assert u.placement.resident() is None and not u.placement.on_device and torch.equal(u.shard, b)
         u.shard.zero_()  # a copy: the file is unchanged
         assert torch.equal(u.shard, b)
     units[1].write_shard(torch.ones(10), lo=7)
@@ -136,7 +136,7 @@ def test_param_file_holds_the_shard(tmp_path):
     assert torch.equal(units[1].shard_on_device(), b)
     with pytest.raises(ValueError, match="outside its shard"):
         units[0].write_shard(torch.ones(4), lo=1)
-    pf.close()
+    units[0].placement.close()  # the file is shared: closing deletes it for every unit
     assert not os.path.exists(pf.dir)
 
 

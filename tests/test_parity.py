@@ -10,7 +10,6 @@ import itertools
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from models import gathered_params, make_batches, make_model, reference_train, train_global_losses
 
@@ -67,7 +66,7 @@ def _check(case, got, world):
                                msg=lambda m: f"{case} losses: {m}")
     for name, p in ref["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=tol, atol=tol if dtype == "fp32" else 2e-2,
-                                   msg=lambda m: f"{case} param {name}: {m}")
+                                   msg=lambda m, name=name: f"{case} param {name}: {m}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -67,7 +67,7 @@ def read_latest(load_dir: str) -> Optional[str]:
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path, "r") as f:
+    with open(path) as f:
         tag = f.read().strip()
     return tag or None
 

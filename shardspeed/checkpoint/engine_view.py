@@ -149,11 +149,14 @@ class EngineView:
     def frozen_pieces(self) -> List[List[Tuple[str, int, int, torch.Tensor]]]:
         """Per unit, (name, start, end, view of the low-precision shard) of pieces of frozen parameters that
         live in units (stage 3 shards every parameter; stages 0-2 put only trainable ones in units)."""
-        out = []
+        out: List[List[Tuple[str, int, int, torch.Tensor]]] = []
         for ui, u in enumerate(self.units):
             trainable = {(pc.param_index, pc.param_start) for pc in self.master.owned_pieces(ui)}
             frozen = [pc for pc in u.pieces if (pc.param_index, pc.param_start) not in trainable]
-            shard = u.shard if frozen else None  # offload_param nvme: one read; store_frozen writes it back
+            if not frozen:
+                out.append([])
+                continue
+            shard = u.shard  # offload_param nvme: one read; store_frozen writes it back
             out.append([(self.names[id(u.params[pc.param_index])], pc.param_start, pc.param_end,
                          shard[pc.chunk_start : pc.chunk_start + pc.numel]) for pc in frozen])
         return out
@@ -162,7 +165,7 @@ class EngineView:
     def store_frozen(unit, views) -> None:
         """After loading into the views of :meth:`frozen_pieces`: with offload_param nvme they are views of
         a copy read from the file, written back here (elsewhere they are the shard itself: nothing to do)."""
-        if unit.shard_in_file and views:
+        if unit.placement.in_file and views:
             unit.write_shard(views[0]._base if views[0]._base is not None else views[0])
 
     def writes_unit(self, unit) -> bool:

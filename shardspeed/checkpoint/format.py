@@ -14,7 +14,7 @@ import signal
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,19 +35,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise CheckpointError(f"cannot checkpoint a tensor of dtype {dtype}: supported are {sorted(DTYPE_NAMES.values())}")
+        raise CheckpointError(f"cannot checkpoint a tensor of dtype {dtype}: supported are {sorted(DTYPE_NAMES.values())}") from None
 
 
 def tensor_bytes(t: torch.Tensor):
     """The raw bytes of a contiguous CPU tensor, as a numpy uint8 array (no copy)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def crc32_of(t: torch.Tensor) -> int:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(tensor_bytes(t.contiguous()))
 
 
 # ---- crash injection (tests) ---------------------------------------------------------------------------
@@ -121,7 +114,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: str, items: Sequence[Tuple[str, torch.Tensor]], metadata: Optional[Dict[str, str]] = None,
+def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, LazyTensor]]], metadata: Optional[Dict[str, str]] = None,
                       rank: int = 0) -> WrittenFile:
     """Write ``items`` (key, tensor) to ``path`` as safetensors, streaming, then fsync. Tensors are stored
     with their own shape and dtype."""
@@ -227,9 +220,9 @@ class ShardReader:
                         raise ValueError("header cut short")
                     header = json.loads(text)
             except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file {path} is missing")
+                raise CheckpointError(f"checkpoint file {path} is missing") from None
             except ValueError as exc:
-                raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt")
+                raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt") from exc
             h = (8 + n, header)
             self._headers[file] = h
         return h
@@ -275,13 +268,3 @@ class ShardReader:
 
     def close(self) -> None:
         self._headers.clear()
-
-
-def file_crc32(path: str, chunk: int = 16 << 20) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return crc
-            crc = zlib.crc32(b, crc)

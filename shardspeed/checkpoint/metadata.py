@@ -76,7 +76,7 @@ class Entry:
                 int(self.elementwise), self.value, self.layer, self.offsets, self.lengths]
 
     @classmethod
-    def from_json(cls, x: list) -> "Entry":
+    def from_json(cls, x: list) -> Entry:
         """A version-2 entry (12 fields) or a version-1 one (9 fields: no layer or N-D slice)."""
         e = cls(x[0], x[1], int(x[2]), int(x[3]), x[4], x[5], x[6], bool(x[7]), x[8])
         if len(x) >= 12:
@@ -158,11 +158,11 @@ class CheckpointMetadata:
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str, where: str = "") -> "CheckpointMetadata":
+    def from_json(cls, text: str, where: str = "") -> CheckpointMetadata:
         try:
             d = json.loads(text)
         except ValueError as exc:
-            raise CheckpointError(f"{where}: metadata is not valid JSON ({exc}); the file is truncated or corrupt")
+            raise CheckpointError(f"{where}: metadata is not valid JSON ({exc}); the file is truncated or corrupt") from exc
         if d.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not a shardspeed checkpoint (format {d.get('format')!r})")
         if int(d.get("version", 0)) > VERSION:
@@ -187,11 +187,11 @@ class CheckpointMetadata:
                 e.locate(info.shape)
 
     @classmethod
-    def read(cls, ckpt_dir: str) -> "CheckpointMetadata":
+    def read(cls, ckpt_dir: str) -> CheckpointMetadata:
         path = os.path.join(ckpt_dir, METADATA_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete shardspeed checkpoint")
-        with open(path, "r") as f:
+        with open(path) as f:
             return cls.from_json(f.read(), path)
 
     def check_files(self, ckpt_dir: str) -> None:
@@ -266,7 +266,7 @@ def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, 
     try:
         plan = plan_reads(entries, start, end)
     except CheckpointError as exc:
-        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}")
+        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}") from exc
     if (len(plan) == 1 and plan[0][1] == 0 and plan[0][3] == out.numel() == plan[0][0].end - plan[0][0].start
             and out.is_contiguous() and out.device.type == "cpu"
             and reader.dtype_of(plan[0][0].file, plan[0][0].key) == out.dtype):

@@ -6,7 +6,7 @@ import io
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -14,8 +14,7 @@ from ..errors import CheckpointError
 from .commit import commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
 from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
-from .metadata import (COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo,
-                       rank_file)
+from .metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo, rank_file
 
 logger = logging.getLogger("shardspeed")
 
@@ -34,10 +33,11 @@ def group_hyper(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: _jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
-def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[Entry], Dict[int, dict]]:
+def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, Union[torch.Tensor, LazyTensor]]], List[Entry],
+                                          Dict[int, dict]]:
     """This rank's tensors (key, tensor) and the entries describing them (CRCs filled in after writing)."""
     file = rank_file(view.rank)
-    items: List[Tuple[str, torch.Tensor]] = []
+    items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]] = []
     entries: List[Entry] = []
     groups: Dict[int, dict] = {}
     opt_state = view.optimizer.state
@@ -76,7 +76,8 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, torch.Tensor]], List[
     return items, entries, groups
 
 
-def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, torch.Tensor]], entries: List[Entry]) -> None:
+def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]],
+                     entries: List[Entry]) -> None:
     """Masters and Adam moments from the offload store, one entry per (piece ∩ tile), in the same format as
     ``optimizer.state`` gives (so either kind of engine loads it). Lazy: with NVMe each range is read from
     the files only when the writer reaches it, so memory holds one tile-sized range at a time."""

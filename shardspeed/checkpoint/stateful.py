@@ -108,7 +108,7 @@ class CheckpointParts:
     """What a checkpoint reads from and writes into a running engine (``engine.checkpoint_parts()``)."""
 
     module: nn.Module
-    master: "MasterWeights"  # the sharded state: masters, optimizer, units (typed methods, not a state dict)
+    master: MasterWeights  # the sharded state: masters, optimizer, units (typed methods, not a state dict)
     collectives: Collectives  # of the data-parallel group: coordination and gathers
     zero_stage: int
     train_dtype: torch.dtype

@@ -4,19 +4,32 @@
 """
 from .base import ConfigModel
 from .batch import resolve_batch_sizes
-from .blocks import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CometConfig,
-                     CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, OptimizerConfig,
-                     ParallelWriteConfig, PipelineConfig, SchedulerConfig, TensorBoardConfig, WandbConfig)
-from .loader import load_config
+from .blocks import (
+                     ActivationCheckpointingConfig,
+                     AioConfig,
+                     CheckpointConfig,
+                     CometConfig,
+                     CommsLoggerConfig,
+                     CSVMonitorConfig,
+                     FlopsProfilerConfig,
+                     OptimizerConfig,
+                     ParallelWriteConfig,
+                     PipelineConfig,
+                     SchedulerConfig,
+                     TensorBoardConfig,
+                     TensorParallelConfig,
+                     WandbConfig,
+)
+from .loader import load_config, parse_config
 from .models import ShardspeedConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
 from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
-    "load_config", "resolve_batch_sizes", "ShardspeedConfig", "ConfigModel",
+    "load_config", "parse_config", "resolve_batch_sizes", "ShardspeedConfig", "ConfigModel",
     "FP16Config", "BF16Config", "DataTypesConfig",
     "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "SchedulerConfig", "CheckpointConfig", "ParallelWriteConfig",
     "CommsLoggerConfig", "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig", "CometConfig",
-    "FlopsProfilerConfig", "ActivationCheckpointingConfig", "AioConfig", "PipelineConfig",
+    "FlopsProfilerConfig", "ActivationCheckpointingConfig", "AioConfig", "PipelineConfig", "TensorParallelConfig",
 ]

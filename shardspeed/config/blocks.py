@@ -1,7 +1,9 @@
-"""The smaller blocks: optimizer, scheduler, checkpoint, monitors, profilers, comms logger, aio, pipeline."""
+"""The smaller blocks: optimizer, scheduler, checkpoint, monitors, profilers, comms logger, aio, pipeline,
+tensor parallel."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -28,7 +30,7 @@ class OptimizerConfig(ConfigModel):
     legacy_fusion: bool = field(False, "DeepSpeed: legacy fused fp16 optimizer.", ignored=True)
 
     @model_validator(mode="after")
-    def _check_params(self) -> "OptimizerConfig":
+    def _check_params(self) -> OptimizerConfig:
         if "max_grad_norm" in self.params:
             raise PydanticCustomError(
                 "max_grad_norm", "'{key}' is not an optimizer parameter; set the top-level "
@@ -46,7 +48,7 @@ class SchedulerConfig(ConfigModel):
                                    "(warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, ...).")
 
     @model_validator(mode="after")
-    def _check_params(self) -> "SchedulerConfig":
+    def _check_params(self) -> SchedulerConfig:
         _reject_auto_params(self.params)
         return self
 
@@ -162,9 +164,13 @@ class AioConfig(ConfigModel):
 
 
 class PipelineConfig(ConfigModel):
-    """`pipeline`: pipeline-parallel engine options."""
+    """`pipeline`: pipeline-parallel engine options. Only `stages` is read today (it sizes the mesh's pipe
+    dimension); pipeline parallelism itself is not implemented yet, so more than 1 stage is refused when
+    an engine is built."""
 
-    stages: Any = field("auto", "Number of pipeline stages (\"auto\": from the model).", auto="keep")
+    stages: Union[Literal["auto"], int] = field(
+        "auto", "Number of pipeline stages: the size of the mesh's pipe dimension (\"auto\": 1 here, as no "
+        "pipeline module gives one).", auto="keep")
     partition: str = field("best", "How layers are split across stages: \"best\", \"parameters\", "
                            "\"uniform\", \"type:<regex>\".")
     seed_layers: bool = field(False, "Seed each layer's initialisation by its index.")
@@ -172,3 +178,66 @@ class PipelineConfig(ConfigModel):
     pipe_partitioned: bool = field(True, "Shard activations sent between stages across tensor-parallel ranks.")
     grad_partitioned: bool = field(True, "Shard gradients sent between stages across tensor-parallel ranks.")
     use_reentrant: bool = field(True, "Use torch's reentrant activation checkpointing.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_stages(cls, data: Any) -> Any:
+        value = data.get("stages", "auto") if isinstance(data, dict) else "auto"
+        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise PydanticCustomError("stages", "'{key}' = {value} is invalid: it must be \"auto\" or an integer "
+                                      ">= 1", {"key": "stages", "value": json.dumps(value)})
+        return data
+
+    @property
+    def num_stages(self) -> int:
+        """The pipe dimension's size: `stages`, with "auto" meaning 1."""
+        return 1 if self.stages == "auto" else int(self.stages)
+
+
+_TP_LAYERS = ("tensor-parallel layers are not implemented yet (only autotp_size, which sizes the mesh's "
+              "model dimension, is used); remove it")
+_REFUSED_DOC = "Refused when set: tensor-parallel layers are not implemented yet."
+
+
+class TensorParallelConfig(ConfigModel):
+    """`tensor_parallel`: DeepSpeed's AutoTP training block. `autotp_size` sizes the mesh's model
+    dimension; tensor-parallel layers are not implemented yet, so the ranks of a model group hold replicas
+    of the whole model (data-parallel size = world / (pipeline stages × autotp_size)). Keys that need
+    sharded layers are refused when set."""
+
+    ALIASES = {"tp": "tensor_parallel", "kernel_inject": "replace_with_kernel_inject"}
+
+    autotp_size: int = field(0, "Tensor-parallel degree: the size of the mesh's model dimension (0 or 1: "
+                             "none).", ge=0)
+    dtype: Optional[str] = field(None, "DeepSpeed: the dtype AutoTP converts the model to.", ignored=True)
+    tp_overlap_comm: bool = field(False, "DeepSpeed: overlap tensor-parallel all-reduces with compute.",
+                                  ignored=True)
+    keep_module_on_host: bool = field(False, "DeepSpeed: keep checkpoint weights on the host while loading.",
+                                      ignored=True)
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = field(
+        "torch", "DeepSpeed: the vocabulary-parallel cross-entropy kernel.", ignored=True)
+    partition_config: Optional[Dict[str, Any]] = field(
+        None, "DeepSpeed: layer_specs saying which weights are split by row or column. " + _REFUSED_DOC)
+    preset_model: Optional[str] = field(None, "DeepSpeed: a built-in partition preset (\"llama\", ...). "
+                                        + _REFUSED_DOC)
+    vocab_parallel_lm_head: Optional[bool] = field(None, "DeepSpeed: shard the LM head by vocabulary. "
+                                                   + _REFUSED_DOC)
+    injection_policy_tuple: Optional[List[Any]] = field(None, "DeepSpeed: the AutoTP parser's injection "
+                                                        "policy. " + _REFUSED_DOC)
+    replace_with_kernel_inject: bool = field(False, "DeepSpeed: inject inference kernels. Also "
+                                             "`kernel_inject`. " + _REFUSED_DOC)
+    tensor_parallel: Dict[str, Any] = field(default_factory=dict, description="DeepSpeed: the inference "
+                                            "TP settings (`tp_size`, ...). Also `tp`. " + _REFUSED_DOC)
+
+    @model_validator(mode="after")
+    def _needs_tp_layers(self) -> TensorParallelConfig:
+        for key in ("partition_config", "preset_model", "vocab_parallel_lm_head", "injection_policy_tuple",
+                    "replace_with_kernel_inject", "tensor_parallel"):
+            if getattr(self, key) not in (None, False, {}):
+                raise PydanticCustomError("rejected_key", "'{key}': {reason}", {"key": key, "reason": _TP_LAYERS})
+        return self
+
+    @property
+    def size(self) -> int:
+        """The model dimension's size: `autotp_size`, with 0 meaning 1."""
+        return max(int(self.autotp_size), 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -40,9 +40,25 @@ def load_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig
     `world_size` from the batch values the user originally gave). Every problem raises `ConfigError`
     with a one-line message naming the dotted key.
     """
+    model = parse_config(config)
+    given = model._given_batch
+    assert given is not None
+    train, micro, gas = resolve_batch_sizes(*given, world_size)
+    resolved = model.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+                                        "gradient_accumulation_steps": gas})
+    resolved._given_batch = given
+    return resolved
+
+
+def parse_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig, None]) -> ShardspeedConfig:
+    """Read and validate a config without resolving the batch sizes (they depend on the data-parallel
+    size, which the mesh sizes in the config decide: read `pipeline.stages` and
+    `tensor_parallel.autotp_size` from this, then call `load_config(parsed, world_size=dp_size)`)."""
     if config is None:
         raise ConfigError("a config is required: pass a dict, a path to a JSON file, or a ShardspeedConfig")
     if isinstance(config, ShardspeedConfig):
+        if config._given_batch is not None:
+            return config
         model = config
     else:
         if isinstance(config, (str, os.PathLike)):
@@ -51,19 +67,16 @@ def load_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig
             raise ConfigError(f"a config must be a dict, a path or a ShardspeedConfig, got {type(config).__name__}")
         model = validate(config)
         _warn_ignored(model, "")
-    given = model._given_batch if model._given_batch is not None else tuple(
-        getattr(model, key) for key in _BATCH_KEYS)
+    given = tuple(getattr(model, key) for key in _BATCH_KEYS)
     if given[0] is None and given[1] is None and not isinstance(config, ShardspeedConfig):
         auto = [key for key in _BATCH_KEYS[:2] if config.get(key) == "auto"]
         if auto:
             raise ConfigError(f"{' and '.join(repr(k) for k in auto)} {'is' if len(auto) == 1 else 'are'} "
                               "\"auto\" and cannot be derived: the caller (e.g. the Hugging Face Trainer) must "
                               "fill in train_batch_size or train_micro_batch_size_per_gpu")
-    train, micro, gas = resolve_batch_sizes(*given, world_size)
-    resolved = model.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
-                                        "gradient_accumulation_steps": gas})
-    resolved._given_batch = given
-    return resolved
+    model = model.model_copy()
+    model._given_batch = given
+    return model
 
 
 def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -109,7 +122,7 @@ def validate(data: Dict[str, Any]) -> ShardspeedConfig:
         raise ConfigError(message) from None
 
 
-def format_error(error: Dict[str, Any]) -> str:
+def format_error(error: Mapping[str, Any]) -> str:
     """One line for one pydantic error: the dotted key, the value given and what it may be."""
     path = _dotted(error["loc"])
     kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]
@@ -173,4 +186,4 @@ def _warn_ignored(model: BaseModel, path: str) -> None:
                            _join(path, name), _show(value))
 
 
-__all__ = ["load_config", "read_json", "validate", "format_error", "resolve_batch_sizes"]
+__all__ = ["load_config", "parse_config", "read_json", "validate", "format_error", "resolve_batch_sizes"]

@@ -9,19 +9,38 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .base import AUTO_DEFAULT, ConfigModel, field
-from .blocks import (ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CometConfig,
-                     CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, OptimizerConfig,
-                     PipelineConfig, SchedulerConfig, TensorBoardConfig, WandbConfig)
-from .precision import (TORCH_DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, check_precision,
-                        normalize_dtype_name)
+from .blocks import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    WandbConfig,
+)
+from .precision import (
+    TORCH_DTYPES,
+    BF16Config,
+    DataTypesConfig,
+    DtypeName,
+    FP16Config,
+    check_precision,
+    normalize_dtype_name,
+)
 from .zero import ZeroConfig
 
 _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
 _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove the block"
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
-_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "autotuning", "data_efficiency", "compile", "tensor_parallel",
-                         "expert_parallel", "weight_quantization", "torch_autocast", "datastates")
+_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "autotuning", "data_efficiency", "compile", "expert_parallel",
+                         "weight_quantization", "torch_autocast", "datastates")
 
 
 class ShardspeedConfig(ConfigModel):
@@ -85,7 +104,10 @@ class ShardspeedConfig(ConfigModel):
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     aio: AioConfig = field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig, description="Pipeline parallelism.")
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig, description="Pipeline parallelism "
+                                     "(`stages` sizes the mesh's pipe dimension).")
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, description="Tensor "
+                                                  "parallelism (`autotp_size` sizes the mesh's model dimension).")
     # Accepted for compatibility, not acted on.
     seq_parallel_communication_data_type: Optional[DtypeName] = field(
         "fp32", "DeepSpeed: gradient dtype of sequence-parallel collectives.", ignored=True)
@@ -118,6 +140,8 @@ class ShardspeedConfig(ConfigModel):
         data = dict(data)
         if isinstance(data.get("zero_optimization"), bool):
             data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+        if data.get("tensor_parallel") == {"enabled": False}:  # accepted before the block was implemented
+            del data["tensor_parallel"]
         for key in _UNIMPLEMENTED_BLOCKS:
             if key in data:
                 block = data.pop(key)
@@ -133,7 +157,7 @@ class ShardspeedConfig(ConfigModel):
         return normalize_dtype_name(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "ShardspeedConfig":
+    def _check(self) -> ShardspeedConfig:
         check_precision(self.fp16, self.bf16)
         for name in ("sequence_parallel_size", "managed_gradient_accumulation", "gradient_allreduce_op"):
             default = type(self).model_fields[name].default

@@ -59,8 +59,9 @@ class BF16Config(ConfigModel):
     enabled: bool = field(False, "Train in bf16 (fp32 master weights and optimizer states).",
                           auto={"value": False})
     immediate_grad_update: bool = field(False, "DeepSpeed: apply gradient updates immediately.", ignored=True)
-    check_grad_overflow: bool = field(True, "DeepSpeed: check bf16 gradients for inf/nan and skip the step.",
-                                      ignored=True)
+    check_grad_overflow: bool = field(
+        True, "Skip the optimizer step (on every rank, counted in skipped_steps, LR schedule held) when the "
+        "global gradient norm is inf/nan, in bf16 and fp32 training alike; fp16 always checks.")
     bf16_master_weights_and_grads: bool = field(
         False, "DeepSpeed: keep master weights and gradients in bf16. Master weights stay fp32 here.",
         ignored=True)

@@ -38,7 +38,7 @@ class OffloadOptimizerConfig(ConfigModel):
         return _normalize_device(value)
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> "OffloadOptimizerConfig":
+    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
         if self.device == "nvme" and not self.nvme_path:
             raise PydanticCustomError("nvme_path", "device \"nvme\" needs nvme_path (a directory)", {})
         return self
@@ -62,7 +62,7 @@ class OffloadParamConfig(ConfigModel):
         return _normalize_device(value)
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> "OffloadParamConfig":
+    def _nvme_needs_path(self) -> OffloadParamConfig:
         if self.device == "nvme" and not self.nvme_path:
             raise PydanticCustomError("nvme_path", "device \"nvme\" needs nvme_path (a directory)", {})
         return self
@@ -178,7 +178,7 @@ class ZeroConfig(ConfigModel):
         return data
 
     @model_validator(mode="after")
-    def _resolve(self) -> "ZeroConfig":
+    def _resolve(self) -> ZeroConfig:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         param_offloaded = self.offload_param is not None and self.offload_param.device != "none"

@@ -1,9 +1,10 @@
-"""Process groups, topology and logged collectives (torch.distributed underneath)."""
+"""Process groups, the (pipe, data, model) mesh topology, DeepSpeed's group names, and logged collectives."""
 from .comms import CommHandle, CommRecord, Collectives, CommsLogger
 from .init import DEFAULT_TIMEOUT_S, default_backend, init_distributed, local_device
-from .topology import Topology
+from .mpu import MeshMPU
+from .topology import MESH_DIMS, Topology, mesh_sizes
 
 __all__ = [
     "CommHandle", "CommRecord", "Collectives", "CommsLogger", "DEFAULT_TIMEOUT_S", "default_backend",
-    "init_distributed", "local_device", "Topology",
+    "init_distributed", "local_device", "Topology", "MESH_DIMS", "mesh_sizes", "MeshMPU",
 ]

@@ -235,6 +235,7 @@ class Collectives:
                                                                           group=self.group, async_op=x),
                                tmp, tmp, False)
             parts[:, a:b].copy_(tmp)
+        assert handle is not None  # n > 0: only inputs larger than one slice come here
         return CommHandle(output, None, handle._record, handle._describe, self.log)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
@@ -285,7 +286,3 @@ class Collectives:
                          lambda: dist.broadcast_object_list(box, src=src, group=self.group), nbytes, cause)
         return box[0]
 
-    def all_reduce_scalar_max(self, value: torch.Tensor) -> torch.Tensor:
-        """Agree on a flag across ranks (e.g. overflow). One tiny collective; a host sync point."""
-        self.all_reduce(value, op=dist.ReduceOp.MAX)
-        return value

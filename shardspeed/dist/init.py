@@ -5,7 +5,7 @@ import datetime
 import logging
 import os
 import socket
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def init_distributed(
         return
     backend = backend or default_backend()
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    kwargs: Dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,30 +1,236 @@
-"""Which ranks work together: built once, passed explicitly (no global process groups)."""
+"""Which ranks work together: built once, passed explicitly (no global process groups).
+
+The world is a device mesh with named dimensions ``("pipe", "data", "model")`` (DeepSpeed's axis order;
+``model`` innermost, so tensor-parallel peers are neighbouring ranks): global rank
+``= pipe_rank × data × model + data_rank × model + model_rank``. ZeRO only ever sees the data group
+(``dp_group``, ``dp_rank``, ``dp_size``). Pipeline and tensor parallelism are not implemented yet: with
+``tensor_parallel.autotp_size`` > 1 the ranks of a model group hold replicas of the whole model.
+
+Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.dist.mpu`):
+``model_*`` here is the mesh's ``model`` dimension (tensor slicing, DeepSpeed's "slice parallel");
+``mp_*`` is pipe × model, every rank holding part of one model replica (DeepSpeed's "model parallel").
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from .init import local_device
+
+#: The mesh's dimension names, outermost first.
+MESH_DIMS = ("pipe", "data", "model")
+
+
+def mesh_sizes(world: int, pipe: int = 1, model: int = 1) -> Tuple[int, int, int]:
+    """``(pipe, data, model)`` for ``world`` ranks: data = world / (pipe × model), which must divide."""
+    for name, value in (("pipeline.stages", pipe), ("tensor_parallel.autotp_size", model)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if world % (pipe * model):
+        raise ConfigError(f"world {world} is not divisible by pipeline.stages {pipe} × "
+                          f"tensor_parallel.autotp_size {model} = {pipe * model}")
+    return pipe, world // (pipe * model), model
+
+
+def mesh_ranks(pipe: int, data: int, model: int) -> List[List[List[int]]]:
+    """The global rank at each ``[pipe][data][model]`` coordinate (row-major, model innermost)."""
+    return [[[(p * data + d) * model + m for m in range(model)] for d in range(data)] for p in range(pipe)]
+
+
+#: Topologies built by `Topology.from_mesh`, by (default group, sizes, device).
+_MESHES: dict = {}
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The data-parallel group this rank belongs to and the device it computes on."""
+    """This rank's groups: the data-parallel group ZeRO shards over, the device, and the rest of the mesh.
+
+    ``dp_*``: the data dimension (ZeRO's group). ``pipe_*``: the pipeline dimension (stage = pipe_rank).
+    ``model_*``: the mesh's ``model`` dimension (tensor parallel). ``mp_*``: pipe × model (DeepSpeed's
+    "model parallel": all ranks with this rank's data coordinate). A group of None means the whole world
+    for ``dp_group`` (torch's convention) and "not created" for the others (``data_parallel`` only).
+    """
 
     dp_group: Optional[dist.ProcessGroup]
     dp_rank: int
     dp_size: int
     device: torch.device
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh, when built from a mesh
+    pipe_group: Optional[dist.ProcessGroup] = None
+    pipe_rank: int = 0
+    pipe_size: int = 1
+    model_group: Optional[dist.ProcessGroup] = None
+    model_rank: int = 0
+    model_size: int = 1
+    mp_group: Optional[dist.ProcessGroup] = None
+    mp_rank: int = 0
+    mp_size: int = 1
+    #: The Megatron-style object passed to ``initialize(mpu=...)``, when the groups came from one.
+    user_mpu: Any = None
 
     @classmethod
     def data_parallel(cls, group: Optional[dist.ProcessGroup] = None) -> "Topology":
-        """All ranks of ``group`` (default: the world) form one data-parallel group."""
+        """All ranks of ``group`` (default: the world) form one data-parallel group; no mesh, no other
+        groups are created (for tests and tools that drive ZeRO parts directly)."""
         return cls(
             dp_group=group,
             dp_rank=dist.get_rank(group),
             dp_size=dist.get_world_size(group),
             device=local_device(),
         )
+
+    @classmethod
+    def from_mesh(cls, pipe: int = 1, model: int = 1) -> "Topology":
+        """Build the ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
+
+        Collective: every rank must call it with the same sizes. Creates each group in the same order on
+        every rank (the mesh's own groups, then the pipe × model groups when both are > 1). A second call
+        with the same sizes in the same process group reuses the first's groups (no new groups per engine).
+        """
+        world = dist.get_world_size()
+        sizes = mesh_sizes(world, pipe, model)
+        device = local_device()
+        default = dist.distributed_c10d._get_default_group()
+        if any(k[0] is not default for k in _MESHES):
+            _MESHES.clear()  # torch.distributed was re-initialised: the old groups are gone
+        key = (default, sizes, device)
+        if key not in _MESHES:
+            _MESHES[key] = cls._build_mesh(sizes, device)
+        return _MESHES[key]
+
+    @classmethod
+    def _build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> "Topology":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
+        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
+        ranks = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+        p, d, m = sizes
+        mp_group: Optional[dist.ProcessGroup]
+        if p == 1:
+            mp_group = groups["model"]
+        elif m == 1:
+            mp_group = groups["pipe"]
+        else:
+            mp_group = _new_groups([[r for plane in mesh_ranks(p, d, m) for r in plane[di]] for di in range(d)])
+        return cls(
+            dp_group=groups["data"], dp_rank=ranks["data"], dp_size=d, device=device, mesh=mesh,
+            pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
+            model_group=groups["model"], model_rank=ranks["model"], model_size=m,
+            mp_group=mp_group, mp_rank=dist.get_rank(mp_group), mp_size=p * m,
+        )
+
+    @classmethod
+    def from_mpu(cls, mpu: Any) -> "Topology":
+        """The groups of a user's Megatron-style model-parallel unit (``initialize(mpu=...)``).
+
+        The data-parallel group is ``mpu.get_data_parallel_group()`` (as DeepSpeed takes it); model,
+        tensor and pipeline groups are read where the object has them. Collective: checks on every rank
+        that the groups cover the world consistently and raises the same one-line `ConfigError` on all.
+        """
+        if not callable(getattr(mpu, "get_data_parallel_group", None)):
+            raise ConfigError(f"mpu= must have get_data_parallel_group() (a Megatron-style model-parallel unit); "
+                              f"got {type(mpu).__name__}")
+        dp_group = mpu.get_data_parallel_group()
+        dp_rank, dp_size = _rank_size(dp_group)
+        tp_group, tp_rank, tp_size = _read(mpu, ("get_tensor_model_parallel", "get_slice_parallel",
+                                                 "get_model_parallel"))
+        pp_group, pp_rank, pp_size = _read(mpu, ("get_pipe_parallel", "get_pipeline_model_parallel"))
+        mp_group, mp_rank, mp_size = _read(mpu, ("get_model_parallel",))
+        report = (dist.get_rank(), _members(dp_group, dp_size), _claimed(mpu, "get_data_parallel", dp_rank, dp_size),
+                  mp_size, tp_size, pp_size)
+        reports: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        check_user_groups(reports)
+        return cls(
+            dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size, device=local_device(),
+            pipe_group=pp_group, pipe_rank=pp_rank, pipe_size=pp_size,
+            model_group=tp_group, model_rank=tp_rank, model_size=tp_size,
+            mp_group=mp_group, mp_rank=mp_rank, mp_size=mp_size, user_mpu=mpu,
+        )
+
+    @property
+    def mesh_shape(self) -> Tuple[int, int, int]:
+        """``(pipe, data, model)`` sizes."""
+        return self.pipe_size, self.dp_size, self.model_size
+
+
+def check_user_groups(reports: Sequence[Any]) -> None:
+    """Check what every rank read from a user's mpu (one report per global rank, in rank order):
+    ``(global rank, data-group members, (rank, size) the mpu claims, model-parallel size, tensor size,
+    pipe size)``. Raises one `ConfigError` naming the first disagreement; identical on every rank."""
+    world = len(reports)
+    for rank, members, (claimed_rank, claimed_size), *_sizes in reports:
+        if members is None or rank not in members:
+            raise ConfigError(f"mpu: rank {rank} is not in its own data-parallel group "
+                              f"(mpu.get_data_parallel_group() on rank {rank} returned a group of ranks "
+                              f"{members})")
+        if claimed_size is not None and claimed_size != len(members):
+            raise ConfigError(f"mpu: on rank {rank} get_data_parallel_world_size() says {claimed_size} but its "
+                              f"data-parallel group has {len(members)} ranks")
+        if claimed_rank is not None and claimed_rank != members.index(rank):
+            raise ConfigError(f"mpu: on rank {rank} get_data_parallel_rank() says {claimed_rank} but the rank is "
+                              f"number {members.index(rank)} of its data-parallel group {members}")
+    for rank, members, _claims, mp_size, _tp, pp_size in reports:
+        for other in members:
+            if reports[other][1] != members:
+                raise ConfigError(f"mpu: data-parallel groups disagree: rank {rank} is in {members}, rank {other} "
+                                  f"in {reports[other][1]}")
+        dp = len(members)
+        # DeepSpeed's grid counts pipe × tensor as "model parallel"; Megatron counts tensor only
+        if dp * mp_size != world and dp * mp_size * pp_size != world:
+            pipe = f" (× pipe {pp_size} = {dp * mp_size * pp_size})" if pp_size > 1 else ""
+            raise ConfigError(f"mpu: data-parallel size {dp} × model-parallel size {mp_size} = {dp * mp_size}"
+                              f"{pipe} ranks on rank {rank}, but the world has {world}")
+    sizes = {len(r[1]) for r in reports}
+    if len(sizes) > 1:
+        raise ConfigError(f"mpu: data-parallel groups of different sizes {sorted(sizes)} across the world")
+
+
+def _new_groups(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:
+    """Create one group per rank list (every rank creates every group, in order); return this rank's."""
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=sorted(ranks))
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def _rank_size(group: Any) -> Tuple[int, int]:
+    if group is not None and group is dist.GroupMember.NON_GROUP_MEMBER:
+        return -1, 0
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _members(group: Any, size: int) -> Optional[List[int]]:
+    if size == 0:
+        return None
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _claimed(mpu: Any, prefix: str, rank: int, size: int) -> Tuple[Optional[int], Optional[int]]:
+    """The (rank, world size) the mpu's own getters report (None where it has none)."""
+    get_rank, get_size = getattr(mpu, f"{prefix}_rank", None), getattr(mpu, f"{prefix}_world_size", None)
+    return (int(get_rank()) if callable(get_rank) else None, int(get_size()) if callable(get_size) else None)
+
+
+def _read(mpu: Any, prefixes: Sequence[str]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, rank, size) from the first ``<prefix>_group/_rank/_world_size`` the mpu has; (None, 0, 1)
+    when it has none."""
+    for prefix in prefixes:
+        get_group = getattr(mpu, f"{prefix}_group", None)
+        get_rank, get_size = getattr(mpu, f"{prefix}_rank", None), getattr(mpu, f"{prefix}_world_size", None)
+        if not any(callable(f) for f in (get_group, get_rank, get_size)):
+            continue
+        group = get_group() if callable(get_group) else None
+        rank = int(get_rank()) if callable(get_rank) else (dist.get_rank(group) if group is not None else 0)
+        size = int(get_size()) if callable(get_size) else (dist.get_world_size(group) if group is not None else 1)
+        return group, rank, size
+    return None, 0, 1

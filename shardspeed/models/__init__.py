@@ -1,5 +1,5 @@
 """Reference models used by the examples, tests and benchmarks."""
 
-from shardspeed.models.gpt import GPT, GPTConfig, PRESETS
+from shardspeed.models.gpt import GPT, PRESETS, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "PRESETS"]

@@ -42,7 +42,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
+    def preset(cls, name: str, **overrides) -> GPTConfig:
         """The named preset (see ``PRESETS``), with any field overridden, e.g. ``vocab_size=256``."""
         try:
             base = PRESETS[name]

@@ -22,16 +22,15 @@ NVMe needs Adam/AdamW. The engine's ``optimizer`` is a real torch optimizer over
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ..dist.comms import Collectives
 from ..errors import ConfigError
 from ..zero.layout import Piece
-from ..zero.master import MasterWeights, StepResult, trainable_pieces
+from ..zero.master import MasterWeights, StepResult, device_master
 from ..zero.reducer import GradientReducer
 from ..zero.unit import FlatParamUnit
 from .cpu_adam import adam_step, hyper_of, is_adam_family
@@ -91,81 +90,62 @@ class OffloadedMasterWeights(MasterWeights):
     ):
         if plan.device not in ("cpu", "nvme"):
             raise ConfigError(f"offload device must be 'cpu' or 'nvme', got {plan.device!r}")
-        self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
         self.plan = plan
         self.step_count = 0
-
-        # the pieces the optimizer owns (a stage-3 unit may hold frozen ones: never stepped)
-        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
-        # the param groups with elements in this rank's chunks, as the base class builds them
-        group_ids = sorted({group_of_param[id(u.params[pc.param_index])]
-                            for u, tp in zip(self.units, self.trainable_pieces) for pc in tp})
-        pos = {g: i for i, g in enumerate(group_ids)}
-        unit_pieces = [[(pc.chunk_start, pc.numel, pos[group_of_param[id(u.params[pc.param_index])]])
-                        for pc in tp] for u, tp in zip(self.units, self.trainable_pieces)]
-        chunk = [u.layout.chunk_size for u in self.units]
-        self.host_units, self.device_units = split_by_ratio(chunk, plan.ratio)
+        # units whose masters and state leave the device (by ``ratio``), and the rest
+        self.host_units, self.device_units = split_by_ratio([u.layout.chunk_size for u in units], plan.ratio)
         on_host = set(self.host_units)
-        nvme = plan.device == "nvme"
         pin = plan.pin_memory and torch.cuda.is_available()
 
-        # masters: host (cpu), none (nvme: in files), device (units kept there by ratio)
-        self.masters: List[Optional[torch.Tensor]] = []
-        for ui, unit in enumerate(self.units):
-            if not self.trainable_pieces[ui]:
-                m = None  # nothing to optimise in this unit
-            elif ui in on_host:
-                m = None if nvme else torch.empty(unit.shard.numel(), dtype=torch.float32, pin_memory=pin)
-                if m is not None:
-                    m.copy_(unit.shard)
-            elif unit.dtype == torch.float32 and not unit.shard_on_host:
-                m = unit.shard  # as without offload: fp32 training updates the shard in place
-            else:
-                m = unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
-            self.masters.append(m)
+        def make_master(ui: int, unit: FlatParamUnit) -> Optional[torch.Tensor]:
+            """Host units: a (pinned) host copy, or none with NVMe (the master is in the state files);
+            the others: as without offload."""
+            if ui not in on_host:
+                return device_master(unit)
+            if plan.device == "nvme":
+                return None
+            m = torch.empty(unit.layout.chunk_size, dtype=torch.float32, pin_memory=pin)
+            m.copy_(unit.shard)
+            return m
 
-        # the engine's optimizer: param groups over the master pieces (placeholders where none in memory)
-        self.piece_tensors: List[List[torch.Tensor]] = []
-        groups: Dict[int, List[torch.Tensor]] = {}
-        for unit, master, pieces in zip(self.units, self.masters, self.trainable_pieces):
-            views = []
-            for pc in pieces:
-                v = (master[pc.chunk_start : pc.chunk_start + pc.numel] if master is not None
-                     else torch.empty(pc.numel, dtype=torch.float32, device="meta"))
-                views.append(v)
-                groups.setdefault(group_of_param[id(unit.params[pc.param_index])], []).append(v)
-            self.piece_tensors.append(views)
-        self.group_indices = group_ids
-        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in group_ids])
-
+        super().__init__(units, reducer, collectives, group_of_param, make_optimizer, sharded=sharded,
+                         gather_after_step=gather_after_step, check_overflow=check_overflow,
+                         make_master=make_master)
+        nvme = plan.device == "nvme"
         self.tiled = is_adam_family(self.optimizer)
         if not self.tiled and nvme:
             raise ConfigError(f"offload_optimizer device 'nvme' supports Adam and AdamW (without amsgrad); the "
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")
         self.host_tiles: List[Tile] = []
         self.device_tiles: List[Tile] = []
-        self.host_store = None
-        self.device_store = None
+        self.host_store: Optional[Union[NvmeStateStore, MemoryStateStore]] = None  # both set when tiled
+        self.device_store: Optional[MemoryStateStore] = None
         self.copier: Optional[HostCopier] = None
         if not self.tiled:
             logger.info("offload: %s is stepped by torch on the host (generic path)", type(self.optimizer).__name__)
             return
+        # per unit, (chunk start, numel, position of the param group) of each trainable piece
+        pos = {g: i for i, g in enumerate(self.group_indices)}
+        unit_pieces = [[(pc.chunk_start, pc.numel, pos[group_of_param[id(u.params[pc.param_index])]])
+                        for pc in tp] for u, tp in zip(self.units, self.trainable_pieces)]
         self.host_tiles = plan_tiles(unit_pieces, plan.tile_elems, self.host_units)
         self.device_tiles = plan_tiles(unit_pieces, plan.tile_elems, self.device_units)
         if nvme:
             rank = self.units[0].rank if self.units else 0
+            assert plan.nvme_path is not None  # the config requires it for device nvme
             self.host_store = NvmeStateStore(plan.nvme_path, self.host_tiles, plan.buffer_count, plan.pin_memory,
                                              rank)
             shard, shard_unit = None, None  # read each unit's shard once (offload_param nvme: from its file)
             for t in self.host_tiles:
                 if t.unit != shard_unit:
                     shard, shard_unit = self.units[t.unit].shard, t.unit
+                assert shard is not None
                 self.host_store.initialize(t, shard[t.lo : t.hi])
         else:
-            self.host_store = MemoryStateStore({u: self.masters[u] for u in self.host_units
-                                                if self.masters[u] is not None})
-        self.device_store = MemoryStateStore({u: self.masters[u] for u in self.device_units
-                                              if self.masters[u] is not None})
+            self.host_store = MemoryStateStore({u: m for u in self.host_units
+                                                if (m := self.masters[u]) is not None})
+        self.device_store = MemoryStateStore({u: m for u in self.device_units
+                                              if (m := self.masters[u]) is not None})
         dev = self.units[0].device if self.units else torch.device("cpu")
         max_tile = max((t.numel for t in self.host_tiles), default=0)
         self.copier = HostCopier(dev, self.units[0].dtype if self.units else torch.float32, max_tile,
@@ -174,40 +154,24 @@ class OffloadedMasterWeights(MasterWeights):
         self._device_step = torch.zeros((), dtype=torch.float32, device=dev)
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _device_grad_norm(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        """Global L2 norm from the device gradient chunks (as the base computes it); a sync point."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
-        for g in grads:
-            if g is not None:
-                gf = g if g.dtype == torch.float32 else g.float()
-                sq += torch.dot(gf, gf).to(sq.device)
-        if self.sharded:
-            self.comm.all_reduce(sq)
-        return sq.sqrt()
-
     def step(self, loss_scale: float, clip: float) -> StepResult:
         if not self.tiled:
             return super().step(loss_scale, clip)
         grads = [self.reducer.grad_shard(i) for i in range(len(self.units))]
-        norm = float(self._device_grad_norm(grads)) / loss_scale
-        if self.check_overflow and not math.isfinite(norm):
+        norm, coef = self.grad_coefficient(grads, loss_scale, clip)  # on the device, from the chunks as they are
+        if coef is None:
             return StepResult(True, norm)  # nothing was copied; the host step is skipped
-        coef = 1.0 / loss_scale
-        if clip > 0:
-            coef *= min(1.0, clip / (norm + 1e-6))
         self.step_count += 1
         self._host_step.fill_(self.step_count)
         self._device_step.fill_(self.step_count)
         hyper = [hyper_of(self.optimizer, g) for g in self.optimizer.param_groups]
         self._step_device_tiles(grads, coef, hyper)
         self._step_host_tiles(grads, coef, hyper)
-        if self.gather_after_step:
-            handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
-            for h in handles:
-                h.wait()
+        self._gather_units()
         return StepResult(False, norm)
 
     def _step_device_tiles(self, grads, coef: float, hyper) -> None:
+        assert self.device_store is not None  # tiled
         for t, st in self.device_store.stream(self.device_tiles):
             g = grads[t.unit]
             g = torch.zeros_like(st.master) if g is None else g[t.lo : t.hi].to(torch.float32)
@@ -215,17 +179,14 @@ class OffloadedMasterWeights(MasterWeights):
                 g.mul_(coef)
             adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._device_step, hyper[t.group])
             unit = self.units[t.unit]
-            if unit.shard_in_file:  # offload_param nvme
+            if not unit.placement.aliases(st.master):  # fp32 on the device: the master is the shard
                 unit.write_shard(st.master, t.lo)
-                continue
-            shard = unit.shard[t.lo : t.hi]
-            if shard.data_ptr() != st.master.data_ptr():
-                shard.copy_(st.master)
 
     def _step_host_tiles(self, grads, coef: float, hyper) -> None:
         tiles, store, cp = self.host_tiles, self.host_store, self.copier
         if not tiles:
             return
+        assert store is not None and cp is not None  # tiled
 
         def fetch(k: int):
             t = tiles[k]
@@ -246,10 +207,10 @@ class OffloadedMasterWeights(MasterWeights):
                 adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._host_step, hyper[t.group],
                           self.plan.threads)
                 unit = self.units[t.unit]
-                if unit.shard_in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
+                if unit.placement.in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
                     unit.write_shard(st.master, t.lo)
                     done = None
-                else:
+                else:  # into the shard's memory (device or host), asynchronously where a copy stream exists
                     done = cp.to_device(k % 2, unit.shard[t.lo : t.hi], st.master)
                 store.release(t, st, done)
             store.flush()
@@ -260,22 +221,27 @@ class OffloadedMasterWeights(MasterWeights):
             cp.end()
 
     def refresh_from_shard(self, unit_index: int) -> None:
-        """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master
-        (into the files with NVMe; a sync point with the disk)."""
-        if isinstance(self.host_store, NvmeStateStore) and unit_index in set(self.host_units):
-            shard = self.units[unit_index].shard
-            for t in self.host_tiles:
-                if t.unit == unit_index:
-                    self.host_store.write_master(t, shard[t.lo : t.hi])
+        """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master,
+        through the store that holds it (NVMe: into the files, a sync point with the disk)."""
+        tiles = [t for t in self.host_tiles if t.unit == unit_index]
+        if not tiles:
+            super().refresh_from_shard(unit_index)
             return
-        super().refresh_from_shard(unit_index)
+        shard = self.units[unit_index].shard
+        assert self.host_store is not None  # host tiles exist
+        for t in tiles:
+            self.host_store.write_master(t, shard[t.lo : t.hi])
 
     def sync_params_from_masters(self) -> None:
-        """As the base, and with NVMe the master tiles are read from the files into the shards."""
-        if isinstance(self.host_store, NvmeStateStore):
-            for t in self.host_tiles:
-                self.units[t.unit].write_shard(self.host_store.read_state(t, "master", t.lo, t.hi), t.lo)
-        super().sync_params_from_masters()
+        """Masters → low-precision chunks (host tiles through their store), then gather as the base."""
+        host = set(t.unit for t in self.host_tiles)
+        for t in self.host_tiles:
+            assert self.host_store is not None  # host tiles exist
+            self.units[t.unit].write_shard(self.host_store.read_state(t, "master", t.lo, t.hi), t.lo)
+        for ui in range(len(self.units)):
+            if ui not in host:
+                self._write_back(ui)
+        self._gather_units()
 
     # ---- checkpoints (tiled path): state by tile, through the store -----------------------------------
     @property
@@ -298,6 +264,7 @@ class OffloadedMasterWeights(MasterWeights):
         """One state (``master``, ``exp_avg``, ``exp_avg_sq``) over a segment: a view of memory, or a copy
         read from the NVMe files (a sync point with the disk; one segment in memory)."""
         store = self.host_store if seg.on_host else self.device_store
+        assert store is not None  # tiled
         return store.read_state(seg.tile, name, seg.lo, seg.hi)
 
     def load_tiles(self, fill: Callable[[Tile, bool, TileState], None]) -> None:
@@ -307,6 +274,7 @@ class OffloadedMasterWeights(MasterWeights):
         for on_host, store, tiles in ((False, self.device_store, self.device_tiles),
                                       (True, self.host_store, self.host_tiles)):
             for t in tiles:
+                assert store is not None  # tiles exist only when tiled
                 st = store.read_tile(t)
                 fill(t, on_host, st)
                 store.write_tile(t, st)
@@ -318,9 +286,10 @@ class OffloadedMasterWeights(MasterWeights):
             host = super().held_bytes()
             return {"master": 0, "optimizer": 0, "offloaded_master": host["master"],
                     "offloaded_optimizer": host["optimizer"]}
+        assert self.device_store is not None and self.host_store is not None  # tiled
         dev = self.device_store.held_bytes()
         master_dev = sum(m.numel() * 4 for u, m in self.device_store.masters.items()
-                         if self.units[u].shard_in_file or m.data_ptr() != self.units[u].shard.data_ptr())
+                         if not self.units[u].placement.aliases(m))
         out = {"master": master_dev, "optimizer": dev["optimizer"]}
         host = self.host_store.held_bytes()
         out["offloaded_master"] = host["master"]
@@ -330,10 +299,9 @@ class OffloadedMasterWeights(MasterWeights):
         return out
 
     def tile_state(self, tile: Tile) -> TileState:
-        """A copy of one host tile's state (tests, checkpoints)."""
-        if isinstance(self.host_store, NvmeStateStore):
-            return self.host_store.read_tile(tile)
-        return next(iter(self.host_store.stream([tile])))[1]
+        """One host tile's state (tests, checkpoints): views of host memory, or a copy read from NVMe."""
+        assert self.host_store is not None  # tiled
+        return self.host_store.read_tile(tile)
 
     def close(self) -> None:
         for s in (self.host_store, self.device_store):

@@ -73,6 +73,12 @@ class MemoryStateStore:
         """Elements ``[lo, hi)`` of the unit's chunk (inside ``tile``) of one state, as a view."""
         return getattr(self.read_tile(tile), name)[lo - tile.lo : hi - tile.lo]
 
+    def write_master(self, tile: Tile, master: torch.Tensor) -> None:
+        """Overwrite a tile's master weights (moments kept)."""
+        dst = self.masters[tile.unit][tile.lo : tile.hi]
+        if dst.data_ptr() != master.data_ptr():
+            dst.copy_(master)
+
     def write_tile(self, tile: Tile, state: TileState) -> None:
         """Store a tile's state (a no-op for the views :meth:`read_tile` handed out)."""
         for dst, src in zip(self.read_tile(tile), state):
@@ -120,7 +126,8 @@ def check_nvme_path(path: str, needed_bytes: int, what: str = "the optimizer sta
 def _rw_all(fn, fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
     """Read or write all of ``buf`` at ``offset`` (``fn`` is ``os.preadv`` or ``os.pwritev``), looping over
     short transfers; a transfer of nothing is a full disk or a truncated file."""
-    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # a uint8 view works for bf16/fp16 too
+    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+    # (a uint8 view works for bf16/fp16 too)
     done = 0
     while done < len(view):
         n = fn(fd, [view[done:]], offset + done)
@@ -160,7 +167,7 @@ class NvmeStateStore:
         pin = _pinned_ok(pin_memory)
         self._buffers = [torch.empty(3, self.tile_elems, dtype=torch.float32, pin_memory=pin)
                          for _ in range(buffer_count)]
-        self._free: "queue.Queue[torch.Tensor]" = queue.Queue()
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in self._buffers:
             self._free.put(b)
         self._owner: Dict[int, torch.Tensor] = {}  # tile index -> buffer it occupies
@@ -237,7 +244,7 @@ class NvmeStateStore:
         """Yield tiles in order with their state loaded; the next tiles are read while the caller works
         (as far ahead as free buffers allow). Each yielded state must be :meth:`release`-d."""
         self.flush()
-        ready: "queue.Queue[Any]" = queue.Queue()
+        ready: queue.Queue[Any] = queue.Queue()
         stop = threading.Event()
 
         def next_buffer() -> Optional[torch.Tensor]:
@@ -288,7 +295,7 @@ class NvmeStateStore:
             for buf in pending.values():  # read but never handed out (the consumer stopped early)
                 self._free.put(buf)
 
-    def _get(self, ready: "queue.Queue[Any]", pending: Dict[int, torch.Tensor]) -> Any:
+    def _get(self, ready: queue.Queue[Any], pending: Dict[int, torch.Tensor]) -> Any:
         item = ready.get()
         if isinstance(item, BaseException):
             raise ShardspeedError(f"NVMe offload: reading optimizer state from {self.dir} failed: {item}") from item

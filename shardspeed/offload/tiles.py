@@ -12,7 +12,7 @@ Placement (``ratio``): whole units are offloaded in order until the offloaded el
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def runs_of(pieces: Sequence[Tuple[int, int, int]]) -> List[Tuple[int, int, int]
             out[-1][1] = start + n
         else:
             out.append([start, start + n, g])
-    return [tuple(r) for r in out]
+    return [(a, b, g) for a, b, g in out]
 
 
 def plan_tiles(unit_pieces: Sequence[Sequence[Tuple[int, int, int]]], tile_elems: int,
@@ -74,10 +74,3 @@ def split_by_ratio(unit_numels: Sequence[int], ratio: float) -> Tuple[List[int],
 
 def total_elems(tiles: Sequence[Tile]) -> int:
     return sum(t.numel for t in tiles)
-
-
-def by_unit(tiles: Sequence[Tile]) -> Dict[int, List[Tile]]:
-    out: Dict[int, List[Tile]] = {}
-    for t in tiles:
-        out.setdefault(t.unit, []).append(t)
-    return out

@@ -32,12 +32,12 @@ class HostCopier:
 
     def begin(self) -> None:
         """The copy stream waits for the gradients the compute stream produced."""
-        if self.cuda:
+        if self.stream is not None:  # CUDA
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def end(self) -> None:
         """The compute stream waits for the updated weights (before the all-gather reads them)."""
-        if self.cuda:
+        if self.stream is not None:  # CUDA
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def grad_to_host(self, slot: int, src: Optional[torch.Tensor], n: int):
@@ -63,8 +63,9 @@ class HostCopier:
             return None
         src = master
         if self.cast_out:
-            if self.out_events[slot] is not None:
-                self.out_events[slot].synchronize()  # the slot's previous copy has left
+            prev = self.out_events[slot]
+            if prev is not None:
+                prev.synchronize()  # the slot's previous copy has left
             src = self.out_slots[slot][: master.numel()]
             src.copy_(master)  # cast on the host: half the bytes cross the bus
         with torch.cuda.stream(self.stream):

@@ -95,7 +95,7 @@ def _valid_names() -> str:
 
 
 def _init_kwargs(cls: type) -> List[str]:
-    sig = inspect.signature(cls.__init__)
+    sig = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own __init__ is what we want
     return [
         n
         for n, p in sig.parameters.items()

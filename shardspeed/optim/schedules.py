@@ -135,10 +135,10 @@ class WarmupLR(_Schedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         num_steps = _positive_int(warmup_num_steps, "warmup_num_steps")
-        if warmup_max_lr is None:
-            warmup_max_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+        max_lr = (warmup_max_lr if warmup_max_lr is not None
+                  else [float(g["lr"]) for g in self.optimizer.param_groups])
         self.min_lrs = _per_group(self.optimizer, warmup_min_lr, "warmup_min_lr")
-        self.max_lrs = _per_group(self.optimizer, warmup_max_lr, "warmup_max_lr")
+        self.max_lrs = _per_group(self.optimizer, max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
         self.warmup_num_steps = max(2, num_steps)
         self.warmup_type = _check_warmup_type(warmup_type)
@@ -363,8 +363,9 @@ class OneCycle(_Schedule):
 
     def _apply(self) -> None:
         super()._apply()
-        if self.cycle_momentum:
-            self._write_moms(self.get_mom())
+        moms = self.get_mom()  # None without momentum cycling
+        if moms is not None:
+            self._write_moms(moms)
 
 
 class LRRangeTest(_Schedule):
@@ -435,7 +436,7 @@ def build_scheduler(cfg: Any, optimizer):
     key = type_name.lower()
     ds = {n.lower(): c for n, c in _DEEPSPEED_SCHEDULES.items()}
     if key in ds:
-        cls = ds[key]
+        cls: type = ds[key]
         target = optimizer
     else:
         classes = _torch_schedulers()
@@ -443,7 +444,7 @@ def build_scheduler(cfg: Any, optimizer):
             raise ConfigError(f"scheduler.type {type_name!r} is unknown; valid: {_valid_names()}")
         cls = classes[key]
         target = _unwrap(optimizer)
-    sig = inspect.signature(cls.__init__)
+    sig = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own __init__ is what we want
     accepted = [n for n, p in sig.parameters.items() if n not in ("self", "optimizer") and p.kind != p.VAR_KEYWORD]
     for k in params:
         if k not in accepted:

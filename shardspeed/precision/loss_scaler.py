@@ -1,8 +1,8 @@
 """Loss scalers for fp16 training: a static one and DeepSpeed's dynamic one.
 
-The engine multiplies the loss by ``scaler.scale`` before backward, unscales the gradients, checks them
-for inf/NaN (one all-reduce of :func:`shardspeed.precision.overflow.has_inf_or_nan`), skips the update on
-overflow, and calls ``scaler.update(overflow)`` exactly once per optimizer step (overflowed or not).
+The engine multiplies the loss by ``scaler.scale`` before backward, treats a non-finite global gradient
+norm (one all-reduce of squared norms, in :meth:`shardspeed.zero.master.MasterWeights.step`) as overflow
+and skips the update, and calls ``scaler.update(overflow)`` exactly once per optimizer step (overflowed or not).
 
 Design note "ZeRO-path loss scaling": DeepSpeed has two dynamic scalers in practice. Its ZeRO optimizers
 (and ``FP16_Optimizer``) use ``DynamicLossScaler.update_scale`` with hysteresis and raise when an overflow

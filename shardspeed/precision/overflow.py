@@ -14,12 +14,16 @@ def has_inf_or_nan(
 ) -> torch.Tensor:
     """A 0-dim float32 tensor: 1.0 if any element of ``tensors`` is inf or NaN, else 0.0.
 
-    Computed on the tensors' device with no host-device sync: one ``torch._foreach_norm(..., inf)``
-    (the max-abs of each tensor, a multi-tensor kernel on CUDA; NaN propagates through the max, an inf
-    stays inf, and unlike a sum it cannot overflow on finite values), then one ``isfinite`` over the
-    stacked norms. The result is float so the engine can all-reduce it with MAX (gloo has no bool
-    reduction) and read it once. ``None`` entries and empty tensors are skipped; ``device`` places the result for an empty
-    input (default CPU).
+    Local to this process (no collective) and without a host-device sync: the tensors are grouped by
+    device; per device, one ``torch._foreach_norm(..., inf)`` (the max-abs of each tensor; NaN propagates
+    through the max, an inf stays inf, and unlike a sum it cannot overflow on finite values) and one
+    ``isfinite`` over the stacked norms. The per-device flags are moved to the first tensor's device and
+    combined with a max. The result is float (not bool) so a caller can all-reduce it with MAX (gloo has
+    no bool reduction). ``None`` entries and empty tensors are skipped; for an empty input the result is
+    0.0 on ``device`` (default CPU).
+
+    The engine itself does not call this: it detects fp16 overflow from a non-finite global gradient
+    norm (:meth:`shardspeed.zero.master.MasterWeights.step`).
     """
     ts = [t for t in tensors if t is not None and t.numel() > 0]
     if not ts:

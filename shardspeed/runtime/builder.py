@@ -7,16 +7,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..config import ShardspeedConfig, load_config
+from ..config import ShardspeedConfig, load_config, parse_config
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
-from ..dist.topology import Topology
+from ..dist.topology import Topology, mesh_sizes
 from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
+from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..precision import build_loss_scaler
+from ..utils import groups as ds_groups
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
+from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
 from ..zero.reducer import GradientReducer, ReducePolicy
 from ..zero.stage3 import build_stage3_units
 from ..zero.unit import FlatParamUnit
@@ -103,13 +106,15 @@ def build_engine(
     lr_scheduler=None,
     collate_fn=None,
     dist_init_required: Optional[bool] = None,
+    mpu=None,
 ) -> Engine:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dist_init_required is not False:
         init_distributed()
-    topo = Topology.data_parallel()
-    cfg = load_config(config, world_size=topo.dp_size)
+    cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
+    topo = _topology(cfg, mpu)
+    cfg = load_config(cfg, world_size=topo.dp_size)
     zero = cfg.zero_optimization
     stage = zero.stage
     train_dtype = cfg.train_dtype
@@ -149,16 +154,17 @@ def build_engine(
     )
     manager = None
     if stage == 3:
-        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank)
-        param_file = _offload_param_shards(units, zero.offload_param, topo.dp_rank)
+        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank,
+                                            placement=_shard_placement(zero.offload_param, topo.dp_rank))
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
         world = 1 if stage == 0 else topo.dp_size
         units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
-    master_kwargs = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=cfg.fp16.enabled)
+    master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=_check_overflow(cfg))
     offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
+    master: MasterWeights
     if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
         master = OffloadedMasterWeights(units, reducer, collectives, group_of,
                                         _optimizer_factory(cfg, groups, optimizer), plan=offload, **master_kwargs)
@@ -167,7 +173,9 @@ def build_engine(
                                **master_kwargs)
     if manager is not None:
         manager.master = master
-        master.param_file = param_file  # offload_param nvme: closed (files deleted) with the master
+    # load_config resolved the batch trio
+    assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
+    assert cfg.gradient_accumulation_steps is not None
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
@@ -178,24 +186,51 @@ def build_engine(
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
     )
-    return Engine(parts)
+    engine = Engine(parts)
+    ds_groups.set_topology(topo)
+    return engine
 
 
-def _offload_param_shards(units, offload, rank: int):
-    """offload_param (stage 3): every unit's shard lives in host memory (cpu) or in a file under
-    ``nvme_path`` (nvme) between gathers. Returns the NvmeParamFile (nvme) or None."""
+def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
+    """The mesh (pipe × data × model) from the config's sizes, or the groups of a user's mpu."""
+    stages, tp = cfg.pipeline.num_stages, cfg.tensor_parallel.size
+    if mpu is not None:
+        topo = Topology.from_mpu(mpu)
+        for key, want, got in (("pipeline.stages", stages, topo.pipe_size),
+                               ("tensor_parallel.autotp_size", tp, topo.model_size)):
+            if want > 1 and want != got:
+                raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
+                                  f"(the mpu decides the groups) or make them agree")
+        if topo.mp_size > 1 and cfg.gradient_clipping > 0:
+            logger.warning("mpu= has model-parallel size %d: the gradient norm (clipping, fp16 overflow) is taken "
+                           "over the data-parallel group only, which is right only while the model-parallel ranks hold "
+                           "replicas of the whole model",
+                           topo.mp_size)
+        return topo
+    mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
+    if stages > 1:
+        raise ConfigError(f"pipeline.stages {stages}: pipeline parallelism is not implemented yet; use 1 or \"auto\"")
+    return Topology.from_mesh(pipe=stages, model=tp)
+
+
+def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:
+    """Where every stage-3 unit's shard lives between gathers (offload_param): the device, host memory
+    (cpu), or one file per rank under ``nvme_path`` (nvme). Returns a factory of one placement per unit."""
     device = offload.device if offload is not None else "none"
     if device == "nvme":
-        from ..offload.param_file import NvmeParamFile
-
-        param_file = NvmeParamFile(offload.nvme_path, units, rank)
-        for u in units:
-            u.keep_shard_in_file(param_file)
-        return param_file
+        param_file = NvmeParamFile(offload.nvme_path, rank)
+        return lambda: FilePlacement(param_file)
     if device == "cpu":
-        for u in units:
-            u.keep_shard_on_host(bool(offload.pin_memory))
-    return None
+        pin = bool(offload.pin_memory)
+        return lambda: HostPlacement(pin)
+    return DevicePlacement
+
+
+def _check_overflow(cfg: ShardspeedConfig) -> bool:
+    """Skip a step whose global gradient norm is inf/nan: always with fp16 (loss scaling needs it), and in
+    every other dtype unless ``bf16.check_grad_overflow`` is false (DeepSpeed skips such steps at ZeRO
+    stages 1-3 in fp32 and bf16 too)."""
+    return bool(cfg.fp16.enabled) or bool(cfg.bf16.check_grad_overflow)
 
 
 def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -40,7 +40,7 @@ class ResumableDistributedSampler(Sampler[int]):
                  drop_last: bool = False):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
-        self.dataset = dataset
+        self.dataset: Sized = dataset  # type: ignore[assignment]  # a map-style dataset has a length
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
@@ -158,13 +158,13 @@ class ResumableDataLoader(DataLoader):
         sampler.finish_pass()  # the epoch is consumed (also when drop_last left a partial batch unread)
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        cast(Any, self.sampler).set_epoch(epoch)  # duck-typed, as DistributedSampler's
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.sampler.state_dict()
+        return cast(ResumableDistributedSampler, self.sampler).state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+        cast(ResumableDistributedSampler, self.sampler).load_state_dict(state)
 
 
 def build_dataloader(dataset, micro_batch_size: int, topo: Topology, collate_fn: Optional[Callable] = None,

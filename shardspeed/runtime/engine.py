@@ -98,6 +98,7 @@ class Engine(nn.Module):
         self._last_loss: Optional[torch.Tensor] = None
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
+        parts.reducer.set_sync_policy(self._reduce_this_micro_step)
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
     @property
@@ -135,6 +136,13 @@ class Engine(nn.Module):
         return self._p.topology.dp_size
 
     @property
+    def mpu(self):
+        """DeepSpeed's group getters (`shardspeed.dist.mpu.MeshMPU`), or the user's ``initialize(mpu=...)``."""
+        from ..dist.mpu import mpu_for
+
+        return mpu_for(self._p.topology)
+
+    @property
     def global_rank(self) -> int:
         return torch.distributed.get_rank()
 
@@ -152,7 +160,7 @@ class Engine(nn.Module):
                     pass
             raise AttributeError(f"'{type(self).__name__}' object (nor its module) has no attribute '{name}'") from None
 
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         super().train(mode)  # the engine's and the module's (recursively) training flags
         return self
 
@@ -200,7 +208,7 @@ class Engine(nn.Module):
         """DeepSpeedEngine's name for loading the module's own keys."""
         return self.load_state_dict(state_dict, strict=strict)
 
-    def to(self, *args, **kwargs) -> "Engine":
+    def to(self, *args, **kwargs) -> Engine:
         """A no-op to the engine's own device and training dtype; anything else raises: parameters are views
         of flat ZeRO buffers, and the fp32 masters and optimizer state would not follow."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -210,10 +218,10 @@ class Engine(nn.Module):
             return self
         raise self._no_move_error(f"to({', '.join(map(str, args))})")
 
-    def cpu(self) -> "Engine":
+    def cpu(self) -> Engine:
         return self.to("cpu")
 
-    def cuda(self, device=None) -> "Engine":
+    def cuda(self, device=None) -> Engine:
         return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
 
     def _apply(self, fn, recurse: bool = True):  # half(), float(), bfloat16(), double(), type(), ...
@@ -250,35 +258,40 @@ class Engine(nn.Module):
         finally:
             self._in_no_sync = prev
 
+    def set_reshard_after_forward(self, reshard: bool, modules: Optional[List[nn.Module]] = None) -> None:
+        """Stage 3: ``False`` keeps the parameters of ``modules`` (default: the whole model) gathered from
+        their first use until the optimizer step, across every micro-batch (FSDP2's
+        ``reshard_after_forward``), e.g. for a pipeline stage or gradients assigned by hand. Stages 0-2
+        always hold whole parameters: nothing to do."""
+        if self._p.param_manager is not None:
+            self._p.param_manager.set_reshard_after_forward(reshard, modules)
+
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         with self._timers("forward"):
-            if self._p.param_manager is not None:
-                self._p.param_manager.begin_forward()
             args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scale the loss (fp16) and divide it by the accumulation steps, then run autograd.
 
-        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
+        The reduction needs nothing from here: gradient hooks and an end-of-backward callback reduce the
+        gradients of any backward (see :class:`~shardspeed.zero.reducer.GradientReducer`), so a plain
+        ``loss.backward()`` followed by :meth:`step` trains the same (scale and divide the loss yourself
+        then). Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
         """
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ShardspeedError("backward(loss) expects a scalar loss tensor (call .mean() or .sum() first)")
         self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
         gas = self._p.gradient_accumulation_steps
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
-        reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         with self._timers("backward"):
-            if self._p.param_manager is not None:
-                self._p.param_manager.begin_backward()
-            self._p.reducer.begin_backward(reduce_now)
             scaled.backward(retain_graph=retain_graph)
-        with self._timers("reduce"):
-            self._p.reducer.finish_backward()
-            if self._p.param_manager is not None:
-                self._p.param_manager.end_backward()
         return loss.detach() / gas
+
+    def _reduce_this_micro_step(self) -> bool:
+        """Asked by the reducer at the start of each backward: does this micro-step end with a reduction."""
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
@@ -286,6 +299,7 @@ class Engine(nn.Module):
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
         if self.is_gradient_accumulation_boundary():
             with self._timers("step"):
+                self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
                 self._optimizer_step()
         self.micro_steps += 1
         self._boundary_override = None
@@ -299,8 +313,14 @@ class Engine(nn.Module):
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
             self.skipped_steps += 1
-            if self.global_rank == 0:
-                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps, p.loss_scaler.scale)
+            if self.global_rank == 0 and p.loss_scaler.dynamic:  # routine under fp16 loss scaling
+                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps,
+                            p.loss_scaler.scale)
+            elif self.global_rank == 0:
+                logger.warning("step %d: the global gradient norm is %s: step skipped on every rank (%d skipped so "
+                               "far), the LR schedule holds. A NaN/inf loss or gradient on some rank, e.g. from "
+                               "bad data; set bf16.check_grad_overflow false to apply such steps anyway.",
+                               self.global_steps, result.grad_norm, self.skipped_steps)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         p.reducer.zero_grads()
@@ -316,7 +336,7 @@ class Engine(nn.Module):
             prm.grad = None
 
     # ---- checkpoints (logic in shardspeed.checkpoint) -------------------------------------------------
-    def checkpoint_parts(self) -> "CheckpointParts":
+    def checkpoint_parts(self) -> CheckpointParts:
         """The parts a checkpoint saves and restores, typed (see :mod:`shardspeed.checkpoint.stateful`)."""
         from ..checkpoint.stateful import CheckpointParts, LoaderPosition, RNGState, TrainingCounters, as_stateful
 
@@ -385,8 +405,9 @@ class Engine(nn.Module):
         seen = set()  # storages already counted (a stage 0-2 shard is a view of its unit's full buffer)
         for unit in self._p.master.units:
             held = [(unit.full, False)] if unit.full is not None and unit.full.numel() else []
-            if not unit.shard_in_file:  # offload_param nvme: the shard is in a file (not counted)
-                held.append((unit.shard, unit.shard_on_host))
+            shard = unit.placement.resident()  # None: the shard is in a file (not counted)
+            if shard is not None:
+                held.append((shard, not unit.placement.on_device))
             for t, on_host in held:
                 key = t.untyped_storage().data_ptr()
                 if key in seen:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -82,7 +82,7 @@ def _shard_parameter(p: nn.Parameter, world: int, rank: int, dtype: Optional[tor
     shard = torch.zeros(chunk, dtype=target_dtype, device=device)
     info = InitShard(p.shape, p.numel(), world, rank, shard, collectives)
     info.write_full(p.data)
-    p._shardspeed_init = info
+    p._shardspeed_init = info  # type: ignore[attr-defined]  # a tag read back by init_shard_of
     p.data = torch.empty(0, dtype=target_dtype, device=device)
 
 
@@ -109,7 +109,7 @@ class Init:
         self.enabled = enabled
         self.group = data_parallel_group
         self.dtype = dtype
-        self._patched = []
+        self._patched: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original)
         if module is not None and enabled:  # DeepSpeed also lets you shard an already-built module
             self._setup()
             for m in module.modules():

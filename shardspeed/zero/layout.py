@@ -46,7 +46,7 @@ class FlatLayout:
             raise ValueError("parameter sizes must be >= 0")
 
     @classmethod
-    def of(cls, numels: Sequence[int], world: int, align: int = 1) -> "FlatLayout":
+    def of(cls, numels: Sequence[int], world: int, align: int = 1) -> FlatLayout:
         return cls(tuple(int(n) for n in numels), int(world), int(align))
 
     @property

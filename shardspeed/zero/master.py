@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +29,20 @@ def trainable_pieces(units: Sequence[FlatParamUnit], group_of_param: Dict[int, i
     ``model_parameters``) stay as they are."""
     return [[pc for pc in u.pieces if u.params[pc.param_index].requires_grad
              and id(u.params[pc.param_index]) in group_of_param] for u in units]
+
+
+def device_master(unit: FlatParamUnit) -> torch.Tensor:
+    """The fp32 master of a unit on its device: the shard itself when that is fp32 device memory (fp32
+    training updates it in place), else a fp32 copy."""
+    if unit.dtype == torch.float32 and unit.placement.on_device:
+        return unit.shard
+    return unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
+
+
+def _full(unit: FlatParamUnit) -> torch.Tensor:
+    """The full buffer of a stage 1-2 unit (always held there)."""
+    assert unit.full is not None, f"unit {unit.index} has no full buffer"
+    return unit.full
 
 
 @dataclass
@@ -51,40 +65,38 @@ class MasterWeights:
         sharded: bool,
         gather_after_step: bool,
         check_overflow: bool,
-        master_device: Optional[torch.device] = None,
+        make_master: Optional[Callable[[int, FlatParamUnit], Optional[torch.Tensor]]] = None,
     ):
-        self._bind(units, reducer, collectives, sharded, gather_after_step, check_overflow)
-        self.masters: List[torch.Tensor] = []
-        self.piece_tensors: List[List[torch.Tensor]] = []
-        groups: Dict[int, List[torch.Tensor]] = {}
-        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
-        for unit, pieces in zip(self.units, self.trainable_pieces):
-            if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
-                self.masters.append(None)
-                self.piece_tensors.append([])
-                continue
-            device = master_device or unit.device
-            aliases = unit.dtype == torch.float32 and device == unit.device and not unit.shard_on_host
-            master = unit.shard if aliases else unit.shard.detach().to(device=device, dtype=torch.float32, copy=True)
-            self.masters.append(master)
-            views = []
-            for piece in pieces:
-                view = master[piece.chunk_start : piece.chunk_start + piece.numel]
-                views.append(view)
-                groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
-            self.piece_tensors.append(views)
-        self.group_indices = sorted(groups)
-        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
-
-    def _bind(self, units, reducer, collectives, sharded: bool, gather_after_step: bool,
-              check_overflow: bool) -> None:
-        """The parts and decisions every master-weight variant (on the device or offloaded) starts from."""
+        """``make_master(unit_index, unit)``: the fp32 master chunk of a unit with trainable pieces, or None
+        where it is kept elsewhere (then the optimizer gets placeholder pieces); default
+        :func:`device_master`."""
         self.units = list(units)
         self.reducer = reducer
         self.comm = collectives
         self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
         self.gather_after_step = gather_after_step
         self.check_overflow = check_overflow
+        make_master = make_master or (lambda ui, unit: device_master(unit))
+        self.masters: List[Optional[torch.Tensor]] = []
+        self.piece_tensors: List[List[torch.Tensor]] = []
+        groups: Dict[int, List[torch.Tensor]] = {}
+        self.trainable_pieces = trainable_pieces(self.units, group_of_param)
+        for ui, (unit, pieces) in enumerate(zip(self.units, self.trainable_pieces)):
+            if not pieces:  # e.g. a stage-3 unit of frozen parameters: nothing to optimise
+                self.masters.append(None)
+                self.piece_tensors.append([])
+                continue
+            master = make_master(ui, unit)
+            self.masters.append(master)
+            views = []
+            for piece in pieces:
+                view = (master[piece.chunk_start : piece.chunk_start + piece.numel] if master is not None
+                        else torch.empty(piece.numel, dtype=torch.float32, device="meta"))
+                views.append(view)
+                groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
+            self.piece_tensors.append(views)
+        self.group_indices = sorted(groups)
+        self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
 
     # ---- what a checkpoint needs (typed; see shardspeed.checkpoint.engine_view) -------------------
     @property
@@ -102,7 +114,7 @@ class MasterWeights:
 
     # ------------------------------------------------------------------------------------------
     def _fp32_grads(self) -> List[Optional[torch.Tensor]]:
-        out = []
+        out: List[Optional[torch.Tensor]] = []
         for ui, master in enumerate(self.masters):
             if master is None:
                 out.append(None)
@@ -114,23 +126,34 @@ class MasterWeights:
         return out
 
     def global_grad_norm(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        """L2 norm over all ranks' chunks (padding is zero). One all-reduce when sharded; a sync point."""
+        """L2 norm over all ranks' chunks (padding is zero), summed in fp32 wherever the chunks are. One
+        all-reduce when sharded; a sync point."""
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
         for g in grads:
             if g is not None:
+                g = g if g.dtype == torch.float32 else g.float()
                 sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
         if self.sharded:
             self.comm.all_reduce(sq)
         return sq.sqrt()
 
-    def step(self, loss_scale: float, clip: float) -> StepResult:
-        grads = self._fp32_grads()
+    def grad_coefficient(self, grads: List[Optional[torch.Tensor]], loss_scale: float,
+                         clip: float) -> Tuple[float, Optional[float]]:
+        """(global norm of the unscaled gradients, the one factor that unscales and clips them), the factor
+        None on an fp16 overflow (the step is skipped)."""
         norm = float(self.global_grad_norm(grads)) / loss_scale
         if self.check_overflow and not math.isfinite(norm):
-            return StepResult(True, norm)
+            return norm, None
         coef = 1.0 / loss_scale
         if clip > 0:
             coef *= min(1.0, clip / (norm + 1e-6))
+        return norm, coef
+
+    def step(self, loss_scale: float, clip: float) -> StepResult:
+        grads = self._fp32_grads()
+        norm, coef = self.grad_coefficient(grads, loss_scale, clip)
+        if coef is None:
+            return StepResult(True, norm)
         if self.gather_after_step and len(self.units) > 1:
             # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
             # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces)
@@ -140,7 +163,7 @@ class MasterWeights:
                 self.optimizer.step()
                 self._detach_grads(ui)
                 self._write_back(ui)
-                handles.append(self.comm.all_gather(self.units[ui].full, self.units[ui].shard, async_op=True))
+                handles.append(self.comm.all_gather(_full(self.units[ui]), self.units[ui].shard, async_op=True))
             for h in handles:
                 h.wait()
         else:
@@ -157,7 +180,9 @@ class MasterWeights:
         if not views:
             return
         if g is None:
-            g = torch.zeros_like(self.masters[ui])
+            master = self.masters[ui]
+            assert master is not None  # a unit with pieces has a master
+            g = torch.zeros_like(master)
         if coef != 1.0:
             g.mul_(coef)
         for piece, view in zip(self.trainable_pieces[ui], views):
@@ -170,33 +195,24 @@ class MasterWeights:
     def _write_back(self, ui: int) -> None:
         """Copy unit ``ui``'s updated master into its low-precision chunk (frozen elements untouched)."""
         unit, master, pieces = self.units[ui], self.masters[ui], self.trainable_pieces[ui]
-        if master is None:
-            return
-        if unit.shard_in_file:  # offload_param nvme: write the file (read first when frozen parts stay)
-            if len(pieces) == len(unit.pieces):
-                unit.write_shard(master)
-                return
-            shard = unit.shard
-            for pc in pieces:
-                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                shard[sl].copy_(master[sl])
-            unit.write_shard(shard)
-            return
-        if master.data_ptr() == unit.shard.data_ptr():
+        if master is None or unit.placement.aliases(master):
             return
         if len(pieces) == len(unit.pieces):
-            unit.shard.copy_(master)
+            unit.write_shard(master)
         else:
             for pc in pieces:
-                sl = slice(pc.chunk_start, pc.chunk_start + pc.numel)
-                unit.shard[sl].copy_(master[sl])
+                unit.write_shard(master[pc.chunk_start : pc.chunk_start + pc.numel], pc.chunk_start)
 
     def sync_params_from_masters(self) -> None:
         """Copy updated masters into the low-precision chunks and re-assemble full units."""
         for ui in range(len(self.units)):
             self._write_back(ui)
+        self._gather_units()
+
+    def _gather_units(self) -> None:
+        """Stages 1-2: all-gather every unit's full buffer from the updated chunks."""
         if self.gather_after_step:
-            handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
+            handles = [self.comm.all_gather(_full(u), u.shard, async_op=True) for u in self.units]
             for h in handles:
                 h.wait()
 
@@ -204,24 +220,21 @@ class MasterWeights:
         """The low-precision chunk was edited from outside (GatheredParameters): copy it into the master."""
         master = self.masters[unit_index]
         unit = self.units[unit_index]
-        if master is not None:
-            shard = unit.shard  # offload_param nvme: read from the file
-            if master.data_ptr() != shard.data_ptr():
-                master.copy_(shard)
-
-    param_file = None  # offload_param nvme: the NvmeParamFile of the shards (set by the builder)
+        if master is not None and not unit.placement.aliases(master):
+            master.copy_(unit.shard)  # a file placement: read from the file
 
     def close(self) -> None:
-        """Delete the offload files (offload_param nvme) now rather than at exit."""
-        if self.param_file is not None:
-            self.param_file.close()
+        """Free the units' shard storage that outlives garbage collection (offload_param nvme: delete the
+        file) now rather than at exit."""
+        for u in self.units:
+            u.placement.close()
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of master weights and optimizer state this rank holds (not counting aliases of params)."""
         master = sum(
             m.numel() * m.element_size()
             for m, u in zip(self.masters, self.units)
-            if m is not None and (u.shard_in_file or m.data_ptr() != u.shard.data_ptr())
+            if m is not None and not u.placement.aliases(m)
         )
         state = 0
         for st in self.optimizer.state.values():

@@ -9,13 +9,20 @@ One :class:`GradientReducer` serves stages 0-2 (and the gradient half of stage 3
   (in place, into this rank's chunk) at stages 1-3;
 - units are launched strictly in their fixed order, so every rank issues the same collectives in the same
   order even when hooks fire in another order (unused parameters, data-dependent control flow);
-- :meth:`finish_backward` (called once after ``loss.backward()``) launches what is left, waits, averages
-  over ranks and moves the result to where the optimizer reads it.
+- the first hook of a backward queues an end-of-backward callback on autograd's engine (as FSDP2 does),
+  which launches what is left, waits, averages over ranks and moves the result to where the optimizer
+  reads it. So a backward finishes by itself whoever drives autograd: ``engine.backward``, a plain
+  ``loss.backward()``, ``torch.autograd.backward`` on several outputs, or a pipeline schedule;
+- :meth:`reduce_pending` (called by the engine at the accumulation boundary, before the optimizer step)
+  takes in gradients that no hook saw (``.grad`` assigned by hand, as torch's zero-bubble pipeline
+  schedules do) and reduces whatever has not been reduced yet, so every gradient is reduced exactly once
+  per boundary; a step with no gradient at all is an error, never a step on zeros.
 
 Where gradients live between micro-steps, per stage (``ReducePolicy``):
 stage 0 keeps the full bucket (all-reduced at the boundary), stage 1 keeps the full bucket (reduce-scattered
 at the boundary), stages 2-3 reduce-scatter every micro-step into a chunk-sized accumulator and free the
-bucket.
+bucket. Once reduced, a unit's result is kept apart from its bucket (``_UnitGrads.result``): gradients that
+arrive after it (a second backward before the step) go into a fresh bucket and are reduced on their own.
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ class ReducePolicy:
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
-                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> "ReducePolicy":
+                  predivide_factor: float = 1.0, reduce_scatter: bool = True) -> ReducePolicy:
         """``reduce_scatter=False`` (DeepSpeed's key) all-reduces at stages 1-2 and keeps this rank's part."""
         op = ReduceOp.REDUCE_SCATTER if stage >= 1 and (reduce_scatter or stage == 3) else ReduceOp.ALL_REDUCE
         return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
@@ -59,19 +66,30 @@ class ReducePolicy:
 class _UnitGrads:
     """Gradient buffers and progress of one unit within the current backward."""
 
-    __slots__ = ("unit", "bucket", "accum", "ready", "launched", "handle", "wire")
+    __slots__ = ("unit", "bucket", "result", "ready", "launched", "dirty", "handle", "wire")
 
     def __init__(self, unit: FlatParamUnit):
         self.unit = unit
-        self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype
-        self.accum: Optional[torch.Tensor] = None  # chunk-size accumulator (every_micro_step policy)
+        self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype: local sums not yet reduced
+        # the reduced, averaged gradient since the last step: chunk-sized (every_micro_step policy), else the
+        # full-size buffer a reduction left its result in (only this rank's chunk of it is meaningful)
+        self.result: Optional[torch.Tensor] = None
         self.ready = 0
         self.launched = False
+        self.dirty = False  # the bucket holds gradients not reduced yet
         self.handle: Optional[CommHandle] = None
         self.wire: Optional[torch.Tensor] = None  # the tensor sent, when the wire dtype differs
 
 
+def _completed(g: _UnitGrads) -> bool:
+    """Whether an in-flight unit's reduction has finished (without waiting)."""
+    assert g.handle is not None
+    return g.handle.is_completed()
+
+
 class GradientReducer:
+    """Reduces unit gradients over the data-parallel group; drives itself from autograd's hooks."""
+
     def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
                  max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None):
         self.units = list(units)
@@ -84,14 +102,18 @@ class GradientReducer:
         self._order_learned = False
         self._completion: List[int] = []
         self._where: Dict[int, Tuple[int, int]] = {}
-        self._hooks = []
+        self._hooks: list = []
         self._reduce_now = True
+        self._in_backward = False
+        self._arrived = False  # some gradient reached the reducer since the last step
         self._next_launch = 0
         self._in_flight: List[_UnitGrads] = []
         self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
         # stages 2-3 bound the full-size buckets alive at once; None: no bound (stages 0-1 keep them anyway)
         self.max_in_flight = max_in_flight
         self.on_unit_ready = on_unit_ready
+        self._sync_policy: Callable[[], bool] = lambda: True
+        self._end_callbacks: List[Callable[[], None]] = []
         self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
         self._pending_hooks = 0
         for ui, unit in enumerate(self.units):
@@ -100,10 +122,26 @@ class GradientReducer:
                 self._where[id(p)] = (ui, pi)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    # ---- wiring -----------------------------------------------------------------------------------
+    def set_sync_policy(self, reduce_this_micro_step: Callable[[], bool]) -> None:
+        """``reduce_this_micro_step()`` is asked once per backward, at its first gradient: whether this
+        backward ends with a reduction (the accumulation boundary, outside ``no_sync``). Stages 2-3 reduce
+        every backward regardless. Default: always."""
+        self._sync_policy = reduce_this_micro_step
+
+    def add_end_of_backward_callback(self, fn: Callable[[], None]) -> None:
+        """``fn()`` runs after each backward that produced gradients, once its reductions are done."""
+        self._end_callbacks.append(fn)
+
+    @property
+    def in_backward(self) -> bool:
+        return self._in_backward
+
     # ---- the backward pass -------------------------------------------------------------------
-    def begin_backward(self, reduce_now: bool) -> None:
-        """Called before ``loss.backward()``: whether this micro-step ends with a reduction."""
-        self._reduce_now = reduce_now or self.policy.every_micro_step
+    def _begin_backward(self) -> None:
+        """At the first gradient of a backward: decide whether it reduces, and queue its end."""
+        self._in_backward = True
+        self._reduce_now = self.policy.every_micro_step or bool(self._sync_policy())
         self._next_launch = 0
         self._pending_hooks = sum(len(u.grad_params) for u in self.units)
         self.launch_log.clear()
@@ -111,6 +149,8 @@ class GradientReducer:
         for g in self._grads:
             g.ready = 0
             g.launched = False
+        # runs when autograd's engine finishes this backward, whoever started it (FSDP2 does the same)
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _bucket(self, g: _UnitGrads) -> torch.Tensor:
         if g.bucket is None:
@@ -129,18 +169,29 @@ class GradientReducer:
         if len(self._in_flight) + spare < (self.max_in_flight or 0):  # in flight + spare stay within the bound
             self._pool.setdefault(t.numel(), []).append(t)
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def _absorb(self, param: torch.Tensor) -> Optional[_UnitGrads]:
+        """Add ``param.grad`` into its unit's bucket and drop it. Returns the unit's record (None: no grad)."""
         ui, pi = self._where[id(param)]
         g = self._grads[ui]
         grad = param.grad
         if grad is None:
-            return
-        view = g.unit.param_view(self._bucket(g), pi)
-        view.add_(grad.reshape(-1))
+            return None
+        g.unit.param_view(self._bucket(g), pi).add_(grad.reshape(-1))
         param.grad = None
+        g.dirty = True
+        self._arrived = True
+        return g
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        g = self._absorb(param)
+        if g is None:
+            return
         g.ready += 1
         self._pending_hooks -= 1
         if g.ready == len(g.unit.grad_params):
+            ui = self._where[id(param)][0]
             self._completion.append(ui)
             if self.on_unit_ready is not None:
                 self.on_unit_ready(ui)
@@ -160,6 +211,7 @@ class GradientReducer:
         if g.launched:
             return
         g.launched = True
+        g.dirty = False
         self.launch_log.append((g.unit.index, self._pending_hooks))
         bucket = self._bucket(g)
         pol = self.policy
@@ -174,46 +226,73 @@ class GradientReducer:
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
         # finish what is already done without blocking; block only past the memory bound
-        while self._in_flight and self._in_flight[0].handle.is_completed() and self.policy.every_micro_step:
+        while self._in_flight and _completed(self._in_flight[0]) and self.policy.every_micro_step:
             self._complete(self._in_flight.pop(0))
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
             self._complete(self._in_flight.pop(0))
 
     def _complete(self, g: _UnitGrads) -> None:
         """Wait for one unit's reduction and average it into where the optimizer reads it."""
+        assert g.handle is not None and g.wire is not None and g.bucket is not None
         g.handle.wait()
         g.handle = None
         post = float(self.world) / self.policy.predivide_factor
         lo, hi = g.unit.layout.chunk_range(g.unit.rank)
         reduced = g.wire[lo:hi]  # all-reduce: every rank has the sum, this rank keeps its chunk
-        if self.policy.every_micro_step:
-            if g.accum is None:
-                g.accum = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
-            g.accum.add_(reduced, alpha=1.0 / post)
-            if g.bucket is not None:
-                self._recycle(g.bucket)
-            g.bucket = None  # stages 2-3: full-size gradients are not kept
-        else:
-            if reduced.data_ptr() != g.bucket[lo:hi].data_ptr() or reduced.dtype != g.bucket.dtype:
-                g.bucket[lo:hi].copy_(reduced)
-            g.bucket[lo:hi].div_(post)
-        g.wire = None
+        bucket, g.bucket, g.wire = g.bucket, None, None
+        if self.policy.every_micro_step:  # stages 2-3: a chunk-sized result; full-size buckets are not kept
+            if g.result is None:
+                g.result = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
+            g.result.add_(reduced, alpha=1.0 / post)
+            self._recycle(bucket)
+        elif g.result is None:  # stages 0-1, first reduction since the step: the bucket holds the result
+            if reduced.data_ptr() != bucket[lo:hi].data_ptr() or reduced.dtype != bucket.dtype:
+                bucket[lo:hi].copy_(reduced)
+            bucket[lo:hi].div_(post)
+            g.result = bucket
+        else:  # a later backward before the step (rare): add its separately reduced part
+            g.result[lo:hi].add_(reduced, alpha=1.0 / post)
 
-    def finish_backward(self) -> None:
-        """Launch what is left (in order), wait for all reductions, and average them over ranks.
-
-        A host sync point when reducing. Must run on every rank after every backward.
-        """
-        if not self._reduce_now:
-            return
+    def _launch_all_and_wait(self) -> None:
         for ui in self._order[self._next_launch :]:
             self._launch(self._grads[ui])
         self._next_launch = len(self._order)
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
         self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
-        if not self._order_learned:
-            self._learn_order()
+
+    def finish_backward(self) -> None:
+        """End of a backward (autograd's final callback): launch what is left in order, wait for every
+        reduction and average it. A host sync point when reducing; runs on every rank after every backward."""
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        if self._reduce_now:
+            self._launch_all_and_wait()
+            if not self._order_learned:
+                self._learn_order()
+        for fn in self._end_callbacks:
+            fn()
+
+    def reduce_pending(self, params: Sequence[torch.Tensor] = ()) -> None:
+        """Before the optimizer step: take in ``.grad`` that no hook saw (assigned by hand) from the
+        trainable parameters, reduce every unit that holds gradients not reduced yet, and check that some
+        gradient arrived since the last step (a step on zeros is an error, never silent)."""
+        for p in params or [u.params[pi] for u in self.units for pi in u.grad_params]:
+            if p.grad is not None and id(p) in self._where:
+                self._absorb(p)
+        if not self._arrived:
+            from ..errors import ShardspeedError
+
+            raise ShardspeedError(
+                "step() found no gradients: no backward pass reached the model's parameters since the last "
+                "step. Call engine.backward(loss) (or loss.backward()) before engine.step()."
+            )
+        if any(g.dirty for g in self._grads):  # every rank of the group holds unreduced gradients here
+            self._next_launch = 0
+            for g in self._grads:
+                g.launched = False
+            self._launch_all_and_wait()
 
     def _learn_order(self) -> None:
         """Adopt the order in which unit gradients completed in the first backward, as rank 0 saw it.
@@ -233,25 +312,36 @@ class GradientReducer:
     def grad_shard(self, unit_index: int) -> Optional[torch.Tensor]:
         """This rank's reduced, averaged gradient chunk of a unit (accum dtype), or None if none yet."""
         g = self._grads[unit_index]
-        if self.policy.every_micro_step:
-            return g.accum
-        if g.bucket is None:
+        if g.result is None:
             return None
+        if self.policy.every_micro_step:
+            return g.result
         lo, hi = g.unit.layout.chunk_range(g.unit.rank)
-        return g.bucket[lo:hi]
+        return g.result[lo:hi]
 
     def zero_grads(self) -> None:
+        """After the step: forget every gradient. Stages 2-3 free their reduced chunks (allocated again as the
+        next backward reduces, so the gradient shards grow through backward instead of being held from its
+        start, as FSDP2's ``zero_grad(set_to_none=True)``); stages 0-1 keep the full buffer as the next
+        bucket."""
+        self._arrived = False
         for g in self._grads:
+            g.dirty = False
+            if self.policy.every_micro_step:
+                g.result = g.bucket = None
+                continue
+            if g.bucket is None and g.result is not None:
+                g.bucket, g.result = g.result, None
+            elif g.result is not None:
+                g.result = None
             if g.bucket is not None:
                 g.bucket.zero_()
-            if g.accum is not None:
-                g.accum.zero_()
 
     def held_bytes(self) -> int:
-        """Bytes of gradient storage held now (buckets and accumulators)."""
+        """Bytes of gradient storage held now (buckets and results)."""
         total = sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
         for g in self._grads:
-            for t in (g.bucket, g.accum):
+            for t in (g.bucket, g.result):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total

@@ -11,17 +11,26 @@
   unit is needed, the following units (up to ``prefetch_bucket_size`` elements) are all-gathered
   asynchronously.
 - Units smaller than ``param_persistence_threshold`` elements stay gathered after first use.
+- Gather and release are per use, not per phase: a unit released after its forward frees its gathered
+  storage at once even though autograd saved views of it, and the same storage is re-filled before the
+  unit's backward (:class:`~.unit.ShardedParamUnit`). Forward of micro-batch k+1 may therefore run before
+  backward of micro-batch k (1F1B); each backward ends by itself (an autograd end-of-backward callback).
+- :meth:`ParamManager.set_reshard_after_forward` keeps chosen units gathered across every forward and
+  backward of a step (FSDP2's ``reshard_after_forward=False``), for pipeline stages.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..dist.comms import Collectives
+from ..errors import DistributedError
+from .placement import DevicePlacement, ShardPlacement
 from .unit import ShardedParamUnit, UnitState
 
 logger = logging.getLogger(__name__)
@@ -98,7 +107,10 @@ class ParamManager:
         self._tracing: Dict[str, List[int]] = {"forward": [], "backward": []}
         self._pos: Dict[str, int] = {"forward": 0, "backward": 0}
         self._phase = "forward"
+        self._in_backward = False
         self._grad_done: set = set()
+        self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
+        self.check_order = True  # agree on each gather across ranks (see _agree)
         self._hooks = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
         self._root = root
@@ -106,6 +118,7 @@ class ParamManager:
         self._recording_uses = True
         self._uses_seen = 0
         self.gather_count = 0
+        self._owners = list(owners)
         unit_of: Dict[int, ShardedParamUnit] = {}
         for u in self.units:
             for p in u.params:
@@ -117,16 +130,17 @@ class ParamManager:
             needs.setdefault(m, []).append(u.index)
         root_of_unit = {u.index: m for u, m in zip(self.units, owners)}
         for m in root.modules():
-            for p in m._parameters.values():
-                if p is None or id(p) not in unit_of:
+            for mp in m._parameters.values():
+                if mp is None or id(mp) not in unit_of:
                     continue
-                u = unit_of[id(p)]
-                root = root_of_unit[u.index]
-                if m is root or any(m is d for d in root.modules()):
+                u = unit_of[id(mp)]
+                owner = root_of_unit[u.index]
+                if m is owner or any(m is d for d in owner.modules()):
                     continue
                 if u.index not in needs.setdefault(m, []):
                     needs[m].append(u.index)
         self._needs = needs
+        self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
         for m, idx in needs.items():
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
@@ -135,41 +149,97 @@ class ParamManager:
     # ---- gather / release ------------------------------------------------------------------------
     def _gather(self, index: int) -> None:
         u = self.units[index]
-        if u.state is not UnitState.GATHERED:
-            if not u.gathering:
-                u.start_gather(self.comm)
-                self.gather_count += 1
-            u.finish_gather()
         tr = self._tracing.get(self._phase)
         if tr is not None and index not in tr:
             tr.append(index)
-        self._prefetch_after(index)
+        start = [] if u.state is UnitState.GATHERED or u.gathering else [index]
+        start += self._prefetch_plan(index, start)
+        if start:
+            self._agree(start, index)
+        for i in start:
+            self.units[i].start_gather(self.comm)
+            self.gather_count += 1
+        if u.state is not UnitState.GATHERED:
+            u.finish_gather()
 
-    def _prefetch_after(self, index: int) -> None:
+    def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
+        """The units to all-gather ahead of use after ``index``, from the traced order (within the prefetch
+        budget and ``stage3_max_live_parameters``, counting ``starting`` as live)."""
         order = self._trace.get(self._phase)
         if not order or self.prefetch_numel <= 0:
-            return
+            return []
         try:
             pos = order.index(index, self._pos[self._phase])
-        except ValueError:
-            return
+        except ValueError:  # out of the traced order (interleaved micro-batches): look from the start
+            try:
+                pos = order.index(index)
+            except ValueError:
+                return []
         self._pos[self._phase] = pos
         live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
+        live += sum(self.units[i].numel for i in starting)
         budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
+        plan: List[int] = []
         for nxt in order[pos + 1 :]:
             u = self.units[nxt]
-            if u.state is UnitState.GATHERED or u.gathering:
+            if u.state is UnitState.GATHERED or u.gathering or nxt in starting or nxt in plan:
                 continue
             if u.numel > budget:
                 break
             budget -= u.numel
-            u.start_gather(self.comm)
-            self.gather_count += 1
+            plan.append(nxt)
+        return plan
+
+    def _agree(self, starting: List[int], needed: int) -> None:
+        """Before issuing all-gathers, check that every rank is about to gather the same units: one tiny
+        all-reduce (a host sync point). Ranks whose forward or backward took different modules (rank-
+        dependent control flow) would otherwise issue mismatched collectives, which gloo answers with an
+        abort and NCCL with a hang; here every rank raises a DistributedError naming the modules instead."""
+        if self.comm.world == 1 or not self.check_order:
+            return
+        fp = 0
+        for i in starting:  # a fingerprint of the sequence, in 62 bits
+            fp = (fp * 1_000_003 + i + 1) % (1 << 62)
+        t = torch.tensor([fp, -fp, needed, -needed], dtype=torch.int64, device=self.units[needed].device)
+        self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) == fp and int(t[1]) == -fp:
+            return
+        lo, hi = -int(t[3]), int(t[2])
+        raise DistributedError(
+            f"ZeRO stage 3: ranks diverged in the {self._phase}: this rank (data-parallel rank "
+            f"{self.comm.topology.dp_rank}) needs the parameters of {self._module_name(needed)} (unit {needed}) "
+            f"while other ranks need unit {hi if hi != needed else lo} ({self._module_name(hi if hi != needed else lo)})"
+            f". Stage 3 gathers parameters collectively, so every rank must run the same modules in the same "
+            f"order; rank-dependent control flow (a module skipped on some ranks) needs stage 0-2, or make the "
+            f"choice the same on every rank (e.g. decide it on rank 0 and broadcast it)."
+        )
+
+    def _module_name(self, index: int) -> str:
+        owner = self._owners[index]
+        for name, m in self._root.named_modules():
+            if m is owner:
+                return f"module '{name}'" if name else "the root module"
+        return type(owner).__name__
 
     def _release(self, index: int) -> None:
-        if index in self.persistent:
+        if index in self.persistent or index in self._keep:
             return
         self.units[index].release()
+
+    def set_reshard_after_forward(self, reshard: bool, modules: Optional[Sequence[nn.Module]] = None) -> None:
+        """``reshard=False``: keep the units owned by ``modules`` (default: all) gathered from their first use
+        until the optimizer step, across every micro-batch's forward and backward (FSDP2's
+        ``reshard_after_forward=False``: fewer all-gathers for a pipeline stage, at the cost of holding its
+        parameters whole). ``True`` restores per-use gathering."""
+        chosen = {u.index for u, m in zip(self.units, self._owners)
+                  if modules is None or any(m is x or any(m is d for d in x.modules()) for x in modules)}
+        if reshard:
+            self._keep -= chosen
+            for i in chosen:
+                if self._refs[i] == 0:
+                    self._release(i)
+        else:
+            self._keep |= chosen
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _make_pre_forward(self, indices: List[int]):
@@ -209,7 +279,8 @@ class ParamManager:
         return hook
 
     def _pre_backward(self, indices: List[int]) -> None:
-        self._phase = "backward"
+        if not self._in_backward:
+            self.begin_backward()
         for i in indices:
             if i not in self._grad_done:
                 self._gather(i)
@@ -219,24 +290,30 @@ class ParamManager:
         self._grad_done.add(index)
         self._release(index)
 
-    # ---- phases (called by the engine) --------------------------------------------------------------
+    # ---- phases (driven by the hooks) --------------------------------------------------------------
     def begin_forward(self) -> None:
+        """The root module's forward starts (a pre-forward hook)."""
         self._phase = "forward"
         self._pos["forward"] = 0
         self._uses_seen = 0
 
     def begin_backward(self) -> None:
+        """The first unit of a backward is needed: queue this backward's end on autograd's engine."""
+        self._in_backward = True
         self._phase = "backward"
         self._pos["backward"] = 0
         self._grad_done.clear()
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        """Release everything still gathered and freeze the traces after the first full step."""
+        """End of a backward (autograd's final callback): release every unit still gathered (except those
+        kept until the step) and freeze the traces after the first full step."""
+        self._in_backward = False
         for u in self.units:
             if u.gathering:
                 u.finish_gather()
-            self._refs[u.index] = 0
-            self._release(u.index)
+            if self._refs[u.index] == 0:
+                self._release(u.index)
         for phase, tr in list(self._tracing.items()):
             if tr and phase not in self._trace:
                 self._trace[phase] = list(tr)
@@ -292,8 +369,10 @@ def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
     return max(1, min(cap, total // 4))
 
 
-def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int):
-    """Shard ``model``'s parameters into units and hook them. Returns (units, manager)."""
+def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int,
+                       placement: Callable[[], ShardPlacement] = DevicePlacement):
+    """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
+    ``placement()`` (device, host or file, as the builder decided). Returns (units, manager)."""
     all_params = list(dict.fromkeys(model.parameters()))
     total = sum(_numel(p) for p in all_params)
     selected = select_units(model, unit_max_numel(total, zero_cfg.prefetch_bucket_size))
@@ -305,7 +384,7 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
             by_dtype.setdefault(p.dtype, []).append(p)
         for plist in by_dtype.values():
             units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
-                                          group=collectives.group))
+                                          group=collectives.group, placement=placement()))
             owners.append(owner)
     manager = ParamManager(
         units, owners, collectives,
@@ -316,5 +395,5 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
     )
     for u in units:
         for i, p in enumerate(u.params):
-            p._shardspeed_unit = (u, i, manager)
+            p._shardspeed_unit = (u, i, manager)  # type: ignore[attr-defined]  # a tag read back with getattr
     return units, manager

@@ -1,18 +1,23 @@
 """A FlatParamUnit: parameters that live as views into one flat, padded, sharded buffer.
 
 Stages 0-2 keep the full buffer (``full``) alive and each rank updates its chunk (``shard`` is a view of
-it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in use.
+it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in use. Where the shard lives
+(device, host, file) is the unit's :mod:`placement <.placement>`, given at construction.
 """
 from __future__ import annotations
 
 import enum
 import warnings
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from .layout import FlatLayout, Piece
+from .placement import DevicePlacement, ShardPlacement
+
+if TYPE_CHECKING:
+    from shardspeed.dist.comms import CommHandle
 
 
 class UnitState(enum.Enum):
@@ -26,9 +31,6 @@ class FlatParamUnit:
     Creating a unit moves the parameters' data into the flat buffer: afterwards ``param.data`` is a view
     of ``full``; nothing else about the parameters changes (same objects, same ``requires_grad``).
     """
-
-    shard_on_host = False  # offload_param (stage 3): ``shard`` is a host buffer, see ShardedParamUnit
-    shard_in_file = False  # offload_param nvme: ``shard`` is a fresh copy read from a file; use write_shard
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
         if not params:
@@ -44,12 +46,14 @@ class FlatParamUnit:
         self.rank = rank
         self.dtype = dtypes.pop()
         self.device = devices.pop()
-        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
-            self.full[off : off + n].copy_(p.detach().reshape(-1))
+            full[off : off + n].copy_(p.detach().reshape(-1))
+        self.full: Optional[torch.Tensor] = full  # None while a stage-3 unit is sharded
         self._point_params_at_full()
         lo, hi = self.layout.chunk_range(rank)
-        self.shard = self.full[lo:hi]
+        self.placement: ShardPlacement = DevicePlacement()  # the shard is a view of the full buffer
+        self.placement.hold(self.full[lo:hi], self.device)
         self.state = UnitState.GATHERED
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
 
@@ -57,19 +61,21 @@ class FlatParamUnit:
     def numel(self) -> int:
         return self.layout.numel
 
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's chunk: the stored tensor, or where the placement is a file a fresh host copy (writes
+        into it are not stored: use :meth:`write_shard`)."""
+        return self.placement.read()
+
     def shard_on_device(self) -> torch.Tensor:
-        """This rank's chunk on the compute device, for a collective: the shard itself, or with
-        offload_param a fresh device copy of the host shard (asynchronous from pinned memory)."""
-        if not self.shard_on_host:
-            return self.shard
-        if self.shard_in_file:  # a temporary host copy read from the file, moved (synchronously)
-            return self.shard.to(self.device)
-        return self.shard.to(self.device, copy=True, non_blocking=True)
+        """This rank's chunk on the compute device, for a collective: the shard itself, or a fresh device
+        copy of a host or file shard (asynchronous from pinned memory)."""
+        return self.placement.to_device_for_gather()
 
     def write_shard(self, t: torch.Tensor, lo: int = 0) -> None:
         """Store ``t`` as elements ``[lo, lo + t.numel())`` of this rank's chunk (cast to the unit's dtype).
-        Code that changes the shard goes through here, so offload_param nvme writes the file."""
-        self.shard[lo : lo + t.numel()].copy_(t.reshape(-1))
+        Code that changes the shard goes through here, so a file placement writes the file."""
+        self.placement.write(t, lo)
 
     @property
     def pieces(self) -> List[Piece]:
@@ -81,8 +87,10 @@ class FlatParamUnit:
         return buffer[off : off + self.layout.numels[index]]
 
     def _point_params_at_full(self) -> None:
+        full = self.full
+        assert full is not None
         for p, off, n, shape in zip(self.params, self.layout.offsets, self.layout.numels, self.shapes):
-            p.data = self.full[off : off + n].view(shape)
+            p.data = full[off : off + n].view(shape)
 
     def __repr__(self) -> str:
         return (
@@ -96,18 +104,27 @@ class ShardedParamUnit(FlatParamUnit):
 
     ``gather`` / ``release`` are idempotent state transitions (SHARDED ⇄ GATHERED). While sharded, each
     parameter's ``.data`` is an empty placeholder, so stray use fails with a shape error instead of
-    silently reading stale values.
+    silently reading stale values. ``placement`` (default: the device) holds the shard from construction on.
+
+    The gathered buffer is one tensor for the unit's life: :meth:`release` frees its storage (resizes it
+    to zero bytes) and the next gather re-allocates and fills that same storage. Autograd may hold views
+    of the parameters saved in forward; they see the storage freed after the unit's forward and filled
+    again before its backward, so a saved graph costs no gathered memory in between (FSDP does the same).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1,
-                 group=None):
+                 group=None, placement: Optional[ShardPlacement] = None):
         from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
 
-        self._param_file = None  # offload_param nvme: the NvmeParamFile holding the shard
-        self._pending = None  # (buffer, CommHandle, source) of an asynchronous gather in flight
+        # (buffer, CommHandle, source) of an asynchronous gather in flight
+        self._pending: Optional[Tuple[torch.Tensor, CommHandle, torch.Tensor]] = None
+        self._buffer: Optional[torch.Tensor] = None  # the gathered storage, kept (freed/refilled) for life
+        placement = placement if placement is not None else DevicePlacement()
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
-            self.shard = self.shard.clone()  # own storage: the full buffer is about to go
+            placement.hold(self.shard.clone(), self.device)  # own storage: the full buffer is about to go
+            self.placement = placement
+            self._buffer = self.full
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
             self.release()
             return
@@ -118,15 +135,17 @@ class ShardedParamUnit(FlatParamUnit):
         self.layout = FlatLayout.of([i.numel if i is not None else p.numel() for i, p in zip(infos, self.params)],
                                     world, align)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        self.shard = torch.zeros(self.layout.chunk_size, dtype=self.dtype, device=self.device)
+        shard = torch.zeros(self.layout.chunk_size, dtype=self.dtype, device=self.device)
         pieces = {pc.param_index: pc for pc in self.layout.pieces(rank)}
         for i, (p, info) in enumerate(zip(self.params, infos)):
             flat = (info.gather_full(group) if info is not None else p.detach()).reshape(-1)
             pc = pieces.get(i)
             if pc is not None:
-                self.shard[pc.chunk_start : pc.chunk_start + pc.numel].copy_(flat[pc.param_start : pc.param_end])
+                shard[pc.chunk_start : pc.chunk_start + pc.numel].copy_(flat[pc.param_start : pc.param_end])
             if info is not None:
-                del p._shardspeed_init
+                del p._shardspeed_init  # type: ignore[attr-defined]  # the tag zero.Init put on it
+        placement.hold(shard, self.device)
+        self.placement = placement
         self.full = None
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -134,62 +153,34 @@ class ShardedParamUnit(FlatParamUnit):
             p.data = self._placeholder
         self.state = UnitState.SHARDED
 
-    def keep_shard_on_host(self, pin_memory: bool = True) -> None:
-        """offload_param: move the shard into host memory (page-locked when CUDA is present). It is copied to
-        the device only to be all-gathered; the optimizer writes the updated shard back into it. On a
-        CPU-only machine this is still a separate buffer, so the same path runs."""
-        if self.shard_on_host:
-            return
-        host = torch.empty(self.shard.shape, dtype=self.dtype, device="cpu",
-                           pin_memory=bool(pin_memory) and torch.cuda.is_available())
-        host.copy_(self.shard)
-        self.shard = host
-        self.shard_on_host = True
-
-    @property
-    def shard(self) -> torch.Tensor:
-        """This rank's chunk. With offload_param nvme: a fresh host copy read from the file (writes into
-        it are not stored: use :meth:`write_shard`)."""
-        if self._param_file is not None:
-            return self._param_file.read(self)
-        return self._shard
-
-    @shard.setter
-    def shard(self, t: torch.Tensor) -> None:
-        self._shard = t
-
-    def keep_shard_in_file(self, param_file) -> None:
-        """offload_param nvme: write the shard into ``param_file`` (an NvmeParamFile) and drop it from
-        memory. It is read back into a temporary buffer when gathered (and by masters and checkpoints) and
-        written back after the optimizer step."""
-        if self.shard_in_file:
-            return
-        param_file.write(self, self._shard)
-        self._shard = None
-        self._param_file = param_file
-        self.shard_on_host = True
-        self.shard_in_file = True
-
-    def write_shard(self, t: torch.Tensor, lo: int = 0) -> None:
-        if self._param_file is not None:
-            self._param_file.write(self, t, lo)
-        else:
-            super().write_shard(t, lo)
-
     def release(self) -> None:
+        """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
+        autograd saved stay valid objects and are filled again by the next gather)."""
         if self.state is UnitState.SHARDED:
             return
         for p in self.params:
             p.data = self._placeholder
         self.full = None
+        if self._buffer is not None:
+            self._buffer.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+
+    def _gather_buffer(self) -> torch.Tensor:
+        """The unit's one gathered buffer, its storage (re-)allocated."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        storage = self._buffer.untyped_storage()
+        nbytes = self.layout.padded_numel * self._buffer.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self._buffer
 
     def start_gather(self, comm) -> None:
         """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`."""
         if self.state is UnitState.GATHERED or self._pending is not None:
             return
         self._check_untouched()
-        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        full = self._gather_buffer()
         src = self.shard_on_device()  # offload_param: the host→device copy, kept alive until finish_gather
         self._pending = (full, comm.all_gather(full, src, async_op=True), src)
 

@@ -1,0 +1,106 @@
+"""DeepSpeed's names for the groups of a `Topology` (the "mpu" interface Megatron and DeepSpeed use).
+
+Semantics follow DeepSpeed's ``PipelineParallelGrid`` (``deepspeed/runtime/pipe/topology.py``), which is
+what a DeepSpeed engine's ``mpu`` is under pipeline parallelism:
+
+- data parallel: the mesh's ``data`` dimension (the group ZeRO shards over);
+- pipe parallel (also ``pipeline_model_parallel``): the ``pipe`` dimension; the rank is the stage;
+- slice parallel (also ``tensor_model_parallel``): the ``model`` dimension (tensor slicing);
+- model parallel: pipe × model, i.e. every rank holding part of the same model replica. Without
+  pipeline stages this is the tensor-parallel group, as in ``deepspeed.utils.groups``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from .topology import Topology
+
+
+class MeshMPU:
+    """The ``get_{data,model,tensor_model,pipe,pipeline_model,slice}_parallel_{group,rank,world_size}``
+    interface over one `Topology`."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+
+    def _group(self, group: Optional[dist.ProcessGroup], what: str) -> dist.ProcessGroup:
+        if group is None:  # None would mean the whole world to torch: never hand that out by accident
+            raise DistributedError(f"this topology has no {what} group (it was built from a data-parallel "
+                                   f"group alone, or from a user mpu without one)")
+        return group
+
+    # ---- data parallel (ZeRO's group) -----------------------------------------------------------------
+    def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.topology.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.dp_size
+
+    def get_data_parallel_group_ranks(self) -> List[int]:
+        group = self.topology.dp_group
+        return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
+
+    # ---- model parallel: pipe × model ---------------------------------------------------------------
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._group(self.topology.mp_group, "model-parallel")
+
+    def get_model_parallel_rank(self) -> int:
+        return self.topology.mp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.mp_size
+
+    # ---- tensor (slice) parallel: the mesh's model dimension ----------------------------------------------
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._group(self.topology.model_group, "tensor-parallel")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.topology.model_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topology.model_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """The global rank of tensor-parallel rank 0 in this rank's tensor-parallel group."""
+        group = self.topology.model_group
+        return dist.get_rank() if group is None else dist.get_global_rank(group, 0)
+
+    get_slice_parallel_group = get_tensor_model_parallel_group
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+
+    # ---- pipe parallel: the mesh's pipe dimension -------------------------------------------------------
+    def get_pipe_parallel_group(self) -> dist.ProcessGroup:
+        return self._group(self.topology.pipe_group, "pipe-parallel")
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.topology.pipe_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.topology.pipe_size
+
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_stage_id(self) -> int:
+        return self.topology.pipe_rank
+
+    def get_global_rank(self) -> int:
+        return dist.get_rank()
+
+    def __repr__(self) -> str:
+        p, d, m = self.topology.mesh_shape
+        return f"MeshMPU(pipe={p}, data={d}, model={m}, rank={dist.get_rank()})"
+
+
+def mpu_for(topology: Topology):
+    """What ``engine.mpu`` is: the user's own object when ``initialize(mpu=...)`` got one (as in
+    DeepSpeed), else a `MeshMPU` over the engine's topology."""
+    return topology.user_mpu if topology.user_mpu is not None else MeshMPU(topology)

@@ -1,0 +1,1 @@
+"""DeepSpeed-compatible utility modules (``shardspeed.utils.groups`` mirrors ``deepspeed.utils.groups``)."""

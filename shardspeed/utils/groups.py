@@ -1,0 +1,122 @@
+"""``deepspeed.utils.groups`` for shardspeed: the process groups of the most recently built engine.
+
+Scripts written for DeepSpeed call these module-level functions; here they answer from the topology of
+the last engine :func:`shardspeed.initialize` built (the same object as ``engine.mpu`` when no user mpu
+was given). Meanings follow DeepSpeed's pipeline grid (see :mod:`shardspeed.dist.mpu`): "model parallel"
+is pipe × tensor, which without pipeline stages is the tensor-parallel group, as in DeepSpeed's module.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from ..dist.mpu import MeshMPU
+from ..dist.topology import Topology
+from ..errors import ShardspeedError
+
+_topology: Optional[Topology] = None
+
+
+def set_topology(topology: Optional[Topology]) -> None:
+    """Make ``topology`` the one these functions answer from (the builder calls this for each engine)."""
+    global _topology
+    _topology = topology
+
+
+def current_topology() -> Topology:
+    if _topology is None:
+        raise ShardspeedError("shardspeed.utils.groups: no engine yet; call shardspeed.initialize() first")
+    return _topology
+
+
+def _mpu() -> MeshMPU:
+    return MeshMPU(current_topology())
+
+
+def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _mpu().get_data_parallel_group()
+
+
+def get_data_parallel_rank() -> int:
+    return _mpu().get_data_parallel_rank()
+
+
+def get_data_parallel_world_size() -> int:
+    return _mpu().get_data_parallel_world_size()
+
+
+def get_data_parallel_group_ranks() -> List[int]:
+    return _mpu().get_data_parallel_group_ranks()
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return _mpu().get_model_parallel_group()
+
+
+def get_model_parallel_rank() -> int:
+    return _mpu().get_model_parallel_rank()
+
+
+def get_model_parallel_world_size() -> int:
+    return _mpu().get_model_parallel_world_size()
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return _mpu().get_tensor_model_parallel_group()
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _mpu().get_tensor_model_parallel_rank()
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _mpu().get_tensor_model_parallel_world_size()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    return _mpu().get_tensor_model_parallel_src_rank()
+
+
+def get_slice_parallel_group() -> dist.ProcessGroup:
+    return _mpu().get_slice_parallel_group()
+
+
+def get_slice_parallel_rank() -> int:
+    return _mpu().get_slice_parallel_rank()
+
+
+def get_slice_parallel_world_size() -> int:
+    return _mpu().get_slice_parallel_world_size()
+
+
+def get_pipe_parallel_group() -> dist.ProcessGroup:
+    return _mpu().get_pipe_parallel_group()
+
+
+def get_pipe_parallel_rank() -> int:
+    return _mpu().get_pipe_parallel_rank()
+
+
+def get_pipe_parallel_world_size() -> int:
+    return _mpu().get_pipe_parallel_world_size()
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return _mpu().get_pipeline_model_parallel_group()
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _mpu().get_pipeline_model_parallel_rank()
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _mpu().get_pipeline_model_parallel_world_size()
+
+
+# DeepSpeed's underscored spellings, which integrations (e.g. Hugging Face's) call directly.
+_get_data_parallel_group = get_data_parallel_group
+_get_data_parallel_rank = get_data_parallel_rank
+_get_data_parallel_world_size = get_data_parallel_world_size
+_get_data_parallel_group_ranks = get_data_parallel_group_ranks
+_get_model_parallel_world_size = get_model_parallel_world_size
