@@ -143,9 +143,10 @@ class Topology:
         mp_group, mp_rank, mp_size = _read(mpu, ("get_model_parallel",))
         report = (dist.get_rank(), _members(dp_group, dp_size), _claimed(mpu, "get_data_parallel", dp_rank, dp_size),
                   mp_size, tp_size, pp_size)
-        reports: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, report)
-        check_user_groups(reports)
+        from .comms import Collectives  # comms builds on Topology
+
+        world = Collectives(cls.data_parallel())
+        check_user_groups(world.all_gather_object(report, cause="every rank must call shardspeed.initialize(mpu=...)"))
         return cls(
             dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size, device=local_device(),
             pipe_group=pp_group, pipe_rank=pp_rank, pipe_size=pp_size,
