@@ -6,7 +6,8 @@ implemented yet.
 torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
 passes through unchanged; ``--nproc`` is short for ``--nproc-per-node``, and a single-node job with no
 rendezvous or master address given gets ``--standalone`` (a free port, so concurrent jobs on one machine
-do not collide on torchrun's default port 29500).
+do not collide on torchrun's default port 29500). With ``--max-restarts`` > 0 it also sets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): see :func:`_isolate_restarts`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,28 @@ def build_torchrun_argv(argv: Sequence[str]) -> list[str]:
     return head + [script] + script_args
 
 
+def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
+    """Give every restarted worker group a store of its own.
+
+    torch >= 2.5 shares the c10d rendezvous TCPStore with the workers (``env://`` connects to the agent's
+    store) and never clears it between restarts; the process group's keys carry no attempt number, so a
+    restarted gloo group can read the dead group's addresses ("Gloo connectFullMesh failed ... Connection
+    refused" on every rank, about one restart in two here; pytorch/pytorch#135712 for NCCL).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes rank 0 host a fresh store for each attempt, as torchrun
+    did before 2.5. Only when restarts were asked for; an explicit setting in the environment wins.
+    """
+    arity, restarts, i = _torchrun_option_arity(), 0, 0
+    while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):  # torchrun's options, then the script
+        name, eq, value = torchrun_argv[i].partition("=")
+        takes_value = not eq and arity.get(name, 0) == 1
+        if _canonical(name) == "--max-restarts":
+            value = torchrun_argv[i + 1] if takes_value and i + 1 < len(torchrun_argv) else value
+            restarts = int(value) if value.isdigit() else 0
+        i += 2 if takes_value else 1
+    if restarts > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def _cmd_run(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_RUN_USAGE)
@@ -133,6 +156,8 @@ def _cmd_run(argv: Sequence[str]) -> int:
         return 2
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    _isolate_restarts(torchrun_argv)
 
     try:
         torchrun_main(torchrun_argv)

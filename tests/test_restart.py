@@ -1,0 +1,121 @@
+"""Restart after a failure (issue 16, item 7): the real command line, end to end.
+
+``shardspeed run --nproc 2 --max-restarts 1 examples/train_gpt.py --save-every 4 --fail-at-step 10``: rank 1
+exits (os._exit(1)) after step 10 of 12 on the first attempt; torchrun stops rank 0 and starts the group
+again (TORCHELASTIC_RESTART_COUNT=1); the example loads the checkpoint of step 8 by itself and trains
+steps 9-12. It must end exactly where the same command without the failure ends: the final fp32 weights
+tensor by tensor (torch.equal), the losses of steps 9-12 (rank 0's) and the validation loss, bit for bit.
+Without dropout (the example's default) and with dropout 0.1 (the RNG states must be restored too; an
+expected failure for now, see the parameter).
+
+Fp32 ZeRO-2 (examples/configs/zero2.json), the tiny GPT on 50 kB of text, 32-byte windows: each run takes
+a few seconds of training; most of the time is starting processes. A run that hangs is killed after
+``TIMEOUT`` seconds and the test fails with its output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+CONFIG = ROOT / "examples" / "configs" / "zero2.json"  # fp32, stage 2
+STEPS, SAVE_EVERY, FAIL_AT = 12, 4, 10
+RESUME_STEP = FAIL_AT // SAVE_EVERY * SAVE_EVERY  # 8: the last checkpoint written before the failure
+TIMEOUT = 240  # seconds per command line (about 10-25 s each when the machine is not loaded)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its workers (they run in sessions of their own, so a process group kill misses
+    them): SIGTERM to the agent (it stops its workers), then SIGKILL to whatever is left."""
+    try:
+        import psutil
+
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except Exception:  # psutil missing or the agent already gone
+        procs = []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    proc.kill()
+
+
+def _train(tmp_path: Path, name: str, *extra: str) -> tuple[str, dict, Path]:
+    """Run the example on 2 processes with torchrun's restart; return its output, summary and out dir."""
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "shardspeed.cli", "run", "--nproc", "2", "--max-restarts", "1", str(EXAMPLE),
+           "--config", str(CONFIG), "--model", "tiny", "--block-size", "32", "--max-bytes", "50000",
+           "--eval-batches", "1", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+           "--save-dir", str(out / "ckpt"), "--out-dir", str(out), *extra]
+    # the workers import this checkout's shardspeed (the example also puts it first on sys.path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name}: no result after {TIMEOUT}s (hung?); killed. Command: {' '.join(cmd)}\n{output}")
+    assert proc.returncode == 0, f"{name}: exit status {proc.returncode}. Command: {' '.join(cmd)}\n{output}"
+    summary_file = out / "summary.json"
+    assert summary_file.exists(), f"{name}: no summary.json\n{output}"
+    return output, json.loads(summary_file.read_text()), out
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final_weights.safetensors"))
+
+
+@pytest.mark.parametrize("dropout", [
+    "0.0",
+    # dropout draws from torch's global RNG, which the checkpoint restores; but torch's DataLoader draws a
+    # base seed from that same global RNG on every iter(), and the restarted run creates its iterator
+    # after load_checkpoint (the straight run created it at step 1): its dropout masks are shifted by
+    # one draw. Fix in shardspeed/runtime/dataloader.py (the engine's loader with a generator of its own,
+    # e.g. DataLoader(..., generator=torch.Generator())); then this case passes and strict xfail flags it.
+    pytest.param("0.1", marks=pytest.mark.xfail(strict=True, reason="the data loader's iter() draws from "
+                                                 "the global torch RNG after the restore")),
+])
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bit_identical(tmp_path, dropout):
+    crashed_log, crashed, crashed_dir = _train(tmp_path, "crashed", "--dropout", dropout,
+                                               "--fail-at-step", str(FAIL_AT))
+    straight_log, straight, straight_dir = _train(tmp_path, "straight", "--dropout", dropout)
+
+    # the first attempt failed where the drill says, torchrun restarted the group, the example resumed
+    assert f"fault drill: rank 1 exits after step {FAIL_AT}" in crashed_log, crashed_log
+    assert f"global_step{RESUME_STEP} at step {RESUME_STEP} (restart 1)" in crashed_log, crashed_log
+    assert (crashed["restart_count"], crashed["start_step"]) == (1, RESUME_STEP)
+    assert (straight["restart_count"], straight["start_step"]) == (0, 0)
+    assert "fault drill" not in straight_log and "resumed from" not in straight_log, straight_log
+
+    # the same end, bit for bit: every weight, the losses of the steps trained after the restart (the
+    # restarted attempt's own: steps 9-12), the final step and the validation loss
+    a, b = _weights(crashed_dir), _weights(straight_dir)
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        assert a[name].dtype == torch.float32, name
+        assert torch.equal(a[name], b[name]), f"{name} differs after the restart"
+    assert crashed["weights_sha256"] == straight["weights_sha256"]
+    resumed_steps = [str(s) for s in range(RESUME_STEP + 1, STEPS + 1)]
+    assert list(crashed["losses"]) == resumed_steps
+    assert {s: straight["losses"][s] for s in resumed_steps} == crashed["losses"]
+    assert crashed["losses"][str(STEPS)] == straight["losses"][str(STEPS)]
+    assert crashed["val_loss"] == straight["val_loss"]
+    assert (crashed_dir / "ckpt" / "latest").read_text().strip() == f"global_step{STEPS}"
