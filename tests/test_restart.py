@@ -85,13 +85,9 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dropout", [
     "0.0",
-    # dropout draws from torch's global RNG, which the checkpoint restores; but torch's DataLoader draws a
-    # base seed from that same global RNG on every iter(), and the restarted run creates its iterator
-    # after load_checkpoint (the straight run created it at step 1): its dropout masks are shifted by
-    # one draw. Fix in shardspeed/runtime/dataloader.py (the engine's loader with a generator of its own,
-    # e.g. DataLoader(..., generator=torch.Generator())); then this case passes and strict xfail flags it.
-    pytest.param("0.1", marks=pytest.mark.xfail(strict=True, reason="the data loader's iter() draws from "
-                                                 "the global torch RNG after the restore")),
+    # dropout draws from torch's global RNG, which the checkpoint restores; the engine's loader has a
+    # generator of its own, so creating its iterator after load_checkpoint draws nothing from that RNG
+    "0.1",
 ])
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bit_identical(tmp_path, dropout):
     crashed_log, crashed, crashed_dir = _train(tmp_path, "crashed", "--dropout", dropout,

@@ -150,6 +150,8 @@ class ResumableDataLoader(DataLoader):
         if not isinstance(sampler, ResumableDistributedSampler):
             yield from super().__iter__()
             return
+        if self.generator is not None:  # worker seeds per epoch, never a draw from the global RNG (which a
+            self.generator.manual_seed(sampler.seed * 1_000_003 + sampler.epoch)  # resume restores)
         sampler.begin_pass()
         for batch in super().__iter__():
             # counted before the training loop sees it: a save after this batch's step resumes after it
@@ -175,5 +177,8 @@ def build_dataloader(dataset, micro_batch_size: int, topo: Topology, collate_fn:
         return DataLoader(dataset, batch_size=micro_batch_size, collate_fn=collate_fn, drop_last=drop_last)
     sampler = ResumableDistributedSampler(dataset, num_replicas=topo.dp_size, rank=topo.dp_rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
+    # a generator of its own: torch's DataLoader otherwise draws its base seed from the global RNG on every
+    # iter(), so a loop resumed from a checkpoint (RNG restored, then iter()) would shift dropout by one draw
     return ResumableDataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                               drop_last=drop_last, pin_memory=topo.device.type == "cuda")
+                               drop_last=drop_last, pin_memory=topo.device.type == "cuda",
+                               generator=torch.Generator())
