@@ -347,3 +347,43 @@ def test_failed_consolidate_leaves_no_tmp(tmp_path):
         consolidate(path, str(out))
     assert not glob.glob(str(out / "*.tmp*")), os.listdir(out)
     assert not (out / "model.safetensors").exists()
+
+
+# ---- the metadata checksum, without a process group -----------------------------------------------------
+def _meta_json() -> str:
+    from shardspeed.checkpoint.metadata import CheckpointMetadata, Entry, FileInfo, TensorInfo
+
+    meta = CheckpointMetadata(tag="t", world_size=1, zero_stage=2, train_dtype="float32",
+                              tensors={"w": TensorInfo([4], "float32", "param")}, aliases={},
+                              entries=[Entry("w", "", 0, 4, "rank00000.safetensors", "w/w/0", 123)],
+                              files={"rank00000.safetensors": FileInfo(0, 100, 5, 7)},
+                              optimizer={"class": "AdamW", "param_groups": {"0": {"lr": 0.01, "betas": [0.9, 0.999]}}},
+                              rng={"0": {"py": {"python": [3, [1, 2, 3], None]}, "tensors": {}}})
+    return meta.to_json()
+
+
+def test_metadata_checksum_catches_any_changed_value_and_old_versions_warn_once(caplog):
+    import shardspeed.checkpoint.metadata as md
+
+    text = _meta_json()
+    assert md.CheckpointMetadata.from_json(text).files["rank00000.safetensors"].header_crc32 == 7
+    for i, c in enumerate(text):  # every byte, flipped in its lowest bit: refused, or means the same thing
+        bad = text[:i] + chr(ord(c) ^ 1) + text[i + 1:]
+        try:
+            got = md.CheckpointMetadata.from_json(bad, "m")
+        except CheckpointError:
+            continue
+        assert json.loads(bad) == json.loads(text), (i, bad[max(i - 20, 0):i + 20])
+        assert got.to_json() == text
+    d = json.loads(text)
+    del d["checksum"]
+    with pytest.raises(CheckpointError, match="no checksum"):
+        md.CheckpointMetadata.from_json(json.dumps(d), "m")
+    d["version"] = 2  # as written before format 3: loads, with one warning per process
+    for f in d["files"].values():
+        del f["header_crc32"]
+    md._warned_unverified = False
+    with caplog.at_level("WARNING", logger="shardspeed"):
+        for _ in range(2):
+            assert md.CheckpointMetadata.from_json(json.dumps(d), "m").version == 2
+    assert sum("not verified" in r.getMessage() for r in caplog.records) == 1
