@@ -255,3 +255,20 @@ def test_rebuild_our_optimizers_and_a_custom_one():
     assert new.param_groups[0]["lr"] == pytest.approx(0.2) and new.param_groups[0]["weight_decay"] == 0.5
     x.grad = torch.ones(1)
     new.step()
+
+
+@pytest.mark.parametrize("type_,key,value", [
+    ("AdamW", "betas", [0.9]), ("Adam", "betas", 0.9), ("Adam", "betas", [0.9, 0.99, 0.5]),
+    ("Lion", "betas", [0.9]), ("Lamb", "betas", [0.9, "x"]), ("Rprop", "etas", [0.5]),
+    ("Rprop", "step_sizes", [1e-6]),
+])
+def test_list_valued_hyperparameters_of_the_wrong_length_name_the_key(type_, key, value):
+    """``betas: [0.9]`` raised a bare IndexError from the optimizer's constructor (issue 16, item 6)."""
+    with pytest.raises(ConfigError, match=rf"optimizer\.params\.{key} of '{type_}' must be a list of 2 numbers"):
+        build_optimizer(cfg(type_, **{key: value}), params_(1.0, 2.0))
+
+
+def test_list_valued_hyperparameters_of_the_right_length_pass():
+    opt = build_optimizer(cfg("AdamW", betas=[0.8, 0.95]), params_(1.0))
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
+    build_optimizer(cfg("Rprop", etas=[0.4, 1.3], step_sizes=[1e-6, 50]), params_(1.0))

@@ -66,7 +66,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     meta = CheckpointMetadata.read(path)
     meta.check_files(path)
     limit = parse_size(max_shard_size)
-    reader = ShardReader(path, verify=verify)
+    reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
     index = EntryIndex(meta.entries)
 
     # every output name: the stored tensors, then tied names (a copy each: safetensors cannot alias)
@@ -101,8 +101,15 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     for fname, group in zip(files, plan):
         items = [(out_name, lazy(src)) for out_name, src in group]
         tmp = os.path.join(out_dir, fname + ".tmp")
-        write_safetensors(tmp, items, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, fname))
+        try:
+            write_safetensors(tmp, items, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(out_dir, fname))
+        except BaseException:  # a corrupt checkpoint, a full disk: leave no half-written file behind
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
         weight_map.update({out_name: fname for out_name, _ in group})
     if n > 1:
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -46,10 +46,9 @@ class EngineView:
     """The checkpoint's view of one engine, built from ``engine.checkpoint_parts()`` (typed parts, no private
     attributes): names of parameters, pieces this rank owns, and the coordination collectives."""
 
-    #: what a failed coordination collective most likely means during a save or load
-    CAUSE = "not every rank called save_checkpoint/load_checkpoint (every rank must, with the same arguments)"
-
-    def __init__(self, engine):
+    def __init__(self, engine, op="save_checkpoint/load_checkpoint"):  # (untyped: as before, body unchecked)
+        #: what a failed coordination collective most likely means during ``op`` (for its error message)
+        self.CAUSE = f"not every rank called {op}: every rank must call {op}, with the same arguments"
         parts: CheckpointParts = engine.checkpoint_parts()
         self.engine = engine
         self.parts = parts

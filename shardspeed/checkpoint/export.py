@@ -41,7 +41,7 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
-    view = EngineView(engine)
+    view = EngineView(engine, "save_16bit_model")
     if view.zero_stage == 3 and not view.parts.gather_16bit_weights_on_save:
         raise CheckpointError(
             "save_16bit_model at ZeRO stage 3 needs \"stage3_gather_16bit_weights_on_model_save\": true in "

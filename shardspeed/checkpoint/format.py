@@ -99,6 +99,7 @@ class WrittenFile:
     bytes: int
     crc32: int  # of the whole file
     tensor_crc32: Dict[str, int] = field(default_factory=dict)
+    header_crc32: int = 0  # of the first 8 + header-length bytes (the length and the JSON header)
 
 
 def fsync_dir(path: str) -> None:
@@ -150,6 +151,7 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
 
         emit(struct.pack("<Q", len(hb)))
         emit(hb)
+        out.header_crc32 = crc
         for key, t in items:
             if isinstance(t, LazyTensor):
                 t = t.materialize()
@@ -173,12 +175,23 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """Write a small file via a temporary name, fsync, ``os.replace``, fsync the directory."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def write_file_synced(path: str, data: bytes) -> int:
@@ -200,9 +213,16 @@ class ShardReader:
     memory this process owns, and the file's pages do not count against the process while it loads.
     """
 
-    def __init__(self, root: str, verify: bool = True):
+    #: bytes read at a time by :meth:`check` (which verifies a tensor without keeping it)
+    CHECK_CHUNK_BYTES = 16 << 20
+
+    def __init__(self, root: str, verify: bool = True, header_crc32: Optional[Dict[str, Optional[int]]] = None):
+        """``header_crc32``: per file, the CRC-32 of its length prefix and JSON header as recorded at save
+        time (format 3); a header that does not match is refused before any of it is used. Headers are
+        checked whatever ``verify`` says (they are small); ``verify`` governs the tensors' CRCs."""
         self.root = root
         self.verify = verify
+        self.header_crc32 = dict(header_crc32 or {})
         self._headers: Dict[str, Tuple[int, dict]] = {}
 
     def _header(self, file: str) -> Tuple[int, dict]:
@@ -218,7 +238,16 @@ class ShardReader:
                     text = f.read(n)
                     if len(text) < n:
                         raise ValueError("header cut short")
+                    want = self.header_crc32.get(file)
+                    if want is not None:
+                        got = zlib.crc32(text, zlib.crc32(raw))
+                        if got != want:
+                            raise CheckpointError(
+                                f"checkpoint file {path}: its header fails its checksum (crc32 {got:#010x}, "
+                                f"expected {want:#010x}); the file is corrupt")
                     header = json.loads(text)
+                    if not isinstance(header, dict):
+                        raise ValueError("the header is not a JSON object")
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint file {path} is missing") from None
             except ValueError as exc:
@@ -259,6 +288,46 @@ class ShardReader:
                     f"(crc32 {got_crc:#010x}, expected {crc:#010x}); the file is corrupt"
                 )
         return t
+
+    def _info(self, file: str, key: str) -> Tuple[str, int, int, int, torch.dtype]:
+        """(path, absolute start, end, numel, dtype) of tensor ``key``; raises on a malformed header entry."""
+        path = os.path.join(self.root, file)
+        base, header = self._header(file)
+        info = header.get(key)
+        if info is None:
+            raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
+        try:
+            lo, hi = (int(v) for v in info["data_offsets"])
+            dtype = ST_TO_DTYPE[info["dtype"]]
+            numel = math.prod(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry") from None
+        if lo < 0 or hi - lo != numel * torch.empty((), dtype=dtype).element_size():
+            raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
+        return path, base + lo, base + hi, numel, dtype
+
+    def check(self, file: str, key: str, crc: Optional[int] = None) -> None:
+        """Verify tensor ``key`` without keeping it: its header entry, that its bytes are all there, and
+        (when ``verify`` and a CRC is given) its CRC-32, reading :attr:`CHECK_CHUNK_BYTES` at a time."""
+        path, lo, hi, _, _ = self._info(file, key)
+        if not (self.verify and crc is not None):
+            if os.path.getsize(path) < hi:
+                raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
+            return
+        got_crc, pos = 0, lo
+        with open(path, "rb") as f:
+            f.seek(lo)
+            while pos < hi:
+                buf = f.read(min(self.CHECK_CHUNK_BYTES, hi - pos))
+                if not buf:
+                    raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
+                got_crc = zlib.crc32(buf, got_crc)
+                pos += len(buf)
+        if got_crc != crc:
+            raise CheckpointError(
+                f"checkpoint file {path}: tensor {key!r} fails its checksum "
+                f"(crc32 {got_crc:#010x}, expected {crc:#010x}); the file is corrupt"
+            )
 
     def dtype_of(self, file: str, key: str) -> torch.dtype:
         info = self._header(file)[1].get(key)

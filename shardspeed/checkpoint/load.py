@@ -2,9 +2,12 @@
 whichever files hold them, so resharding needs no conversion step."""
 from __future__ import annotations
 
+import io
 import logging
 import os
+import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -13,7 +16,7 @@ from ..errors import CheckpointError
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
-from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, rank_file, read_range
+from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, plan_reads, rank_file, read_range
 
 logger = logging.getLogger("shardspeed")
 
@@ -160,6 +163,109 @@ def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryInde
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+@dataclass
+class _Verified:
+    """What the verification pass established, for the apply pass."""
+    path: str
+    meta: CheckpointMetadata
+    index: EntryIndex
+    reader: ShardReader
+    present: set
+    common: Dict[str, Any]
+
+
+def _read_common(path: str, meta: CheckpointMetadata) -> Dict[str, Any]:
+    """``common.pt``, checked against the CRC-32 recorded in the metadata before it is unpickled."""
+    file = os.path.join(path, COMMON_FILE)
+    info = meta.files.get(COMMON_FILE)
+    if info is None:
+        raise CheckpointError(f"{os.path.join(path, 'metadata.json')} lists no {COMMON_FILE}; the checkpoint is "
+                              f"incomplete or corrupt")
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}") from exc
+    got = zlib.crc32(data)
+    if got != info.crc32:
+        raise CheckpointError(f"checkpoint file {file} fails its checksum (crc32 {got:#010x}, expected "
+                              f"{info.crc32:#010x}); the file is corrupt")
+    try:
+        common = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint file {file} cannot be unpickled ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(common, dict):
+        raise CheckpointError(f"checkpoint file {file} does not hold a dict; it is not a shardspeed checkpoint")
+    return common
+
+
+def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimizer: bool, module_only: bool,
+            verify: bool) -> _Verified:
+    """Check everything this rank's load will use, changing nothing: the metadata (its checksum), the file
+    sizes, every safetensors header it reads (CRC), ``common.pt`` (CRC), names and shapes, the optimizer
+    class, that every range is covered, and (``verify``) the CRC of every tensor it will read."""
+    path = resolve(load_dir, tag)
+    meta = CheckpointMetadata.read(path)
+    meta.check_files(path)
+    reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
+    index = EntryIndex(meta.entries)
+    present = _check_names(view, meta, strict)
+    if with_optimizer:
+        _check_optimizer_class(view, meta)
+    common = _read_common(path, meta)
+    needed: Dict[Tuple[str, str], Optional[int]] = {}
+
+    def need_range(name: str, state: str, start: int, end: int) -> None:
+        try:
+            plan = plan_reads(index.overlapping(name, state, start, end), start, end)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{name!r} ({state or 'weights'}): {exc}") from exc
+        for e, *_ in plan:
+            needed[(e.file, e.key)] = e.crc32
+
+    if view.offloaded:
+        for op in view.offloaded_pieces():
+            if op.name not in present:
+                continue
+            need_range(op.name, WEIGHT, op.start, op.end)
+            if with_optimizer:
+                for sk in ("exp_avg", "exp_avg_sq"):
+                    if index.has(op.name, sk):
+                        need_range(op.name, sk, op.start, op.end)
+        if with_optimizer:
+            e = next((e for e in meta.entries if e.state == "step" and e.tensor in present), None)
+            if e is not None and e.file:
+                needed[(e.file, e.key)] = e.crc32
+    else:
+        for pieces in view.pieces():
+            for pc in pieces:
+                if pc.name not in present:
+                    continue
+                need_range(pc.name, WEIGHT, pc.start, pc.end)
+                if not with_optimizer:
+                    continue
+                for sk in index.states_of(pc.name):
+                    entries = index.overlapping(pc.name, sk, pc.start, pc.end)
+                    if entries and entries[0].elementwise:
+                        need_range(pc.name, sk, pc.start, pc.end)
+                    elif entries and entries[0].file:
+                        needed[(entries[0].file, entries[0].key)] = entries[0].crc32
+    for frozen in view.frozen_pieces():
+        for name, start, end, _ in frozen:
+            if name in present:
+                need_range(name, WEIGHT, start, end)
+    for name, t in view.other_params() + view.buffers():
+        if name in present:
+            need_range(name, WEIGHT, 0, t.numel())
+    if not module_only:
+        rec = meta.rng.get(str(view.rank)) or {}
+        for k, crc in rec.get("tensors", {}).items():
+            needed[(rank_file(view.rank), k)] = crc
+    for (file, key), crc in sorted(needed.items()):
+        reader.check(file, key, crc)
+    return _Verified(path, meta, index, reader, present, common)
+
+
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, verify: bool = True) -> Tuple[Optional[str], Optional[dict]]:
@@ -168,39 +274,52 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
     was given. ``load_module_only`` loads the weights alone, as DeepSpeed does: the engine keeps its optimizer
     state, schedule, loss scaler, step counters, data-loader position and RNG; the saved ``global_steps``,
-    ``global_samples`` and ``skipped_steps`` are returned in ``client_state`` (unless it has those keys). ``verify`` checks each tensor's CRC-32 as it is read (file sizes are always checked).
+    ``global_samples`` and ``skipped_steps`` are returned in ``client_state`` (unless it has those keys).
+
+    All or nothing: every rank first verifies everything its load will use (the metadata's checksum, file
+    sizes, header and ``common.pt`` CRCs and, with ``verify``, each tensor's CRC-32), the ranks agree on the
+    verdict, and only then does any rank change its engine. On failure every rank raises the same
+    :class:`CheckpointError` and the engine is as it was.
     """
-    view = EngineView(engine)
+    view = EngineView(engine, "load_checkpoint")
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
             if view.rank == 0:
                 logger.warning("no 'latest' file in %s: nothing loaded", load_dir)
             return None, None
-    path = resolve(load_dir, str(tag))
-    meta = CheckpointMetadata.read(path)
-    meta.check_files(path)
-    reader = ShardReader(path, verify=verify)
-    index = EntryIndex(meta.entries)
+    with_optimizer = load_optimizer_states and not load_module_only
+    err = None
+    checked: Optional[_Verified] = None
+    try:
+        checked = _verify(view, load_dir, str(tag), load_module_strict, with_optimizer, load_module_only, verify)
+    except CheckpointError as exc:
+        err = str(exc)
+    except Exception as exc:  # unexpected: still fail every rank alike, before anything changed
+        err = f"cannot load checkpoint {tag!r} from {load_dir}: {type(exc).__name__}: {exc}"
+    view.agree(err)  # the verdict: every rank raises the same error, or every rank applies
+    assert checked is not None
+    path, meta, index, reader, present, common = (checked.path, checked.meta, checked.index, checked.reader,
+                                                  checked.present, checked.common)
+
     err = None
     try:
-        present = _check_names(view, meta, load_module_strict)
         _load_weights(view, index, reader, present)
-        with_optimizer = load_optimizer_states and not load_module_only
         if view.offloaded:
             _load_offloaded(view, meta, index, reader, present, with_optimizer)
         elif with_optimizer:
             _load_optimizer(view, meta, index, reader, present)
-    except CheckpointError as exc:
-        err = str(exc)
-    view.agree(err)  # every rank fails alike before the collective below
+        if not load_module_only:
+            view.load_common_state(common, lr_scheduler=load_lr_scheduler_states)
+            _restore_rng(view, meta, reader)
+    except Exception as exc:  # verified a moment ago: an I/O error, or the files changed under us
+        err = (f"loading checkpoint {path} failed after it was verified ({type(exc).__name__}: {exc}); "
+               f"the engine is partially loaded: load a checkpoint again before training")
+    finally:
+        reader.close()
+    view.agree(err)  # every rank fails alike before the collectives below
     view.write_back_masters()
 
-    common = torch.load(os.path.join(path, COMMON_FILE), map_location="cpu", weights_only=False)
-    if not load_module_only:
-        view.load_common_state(common, lr_scheduler=load_lr_scheduler_states)
-        _restore_rng(view, meta, reader)
-    reader.close()
     client_state = common.get("client_state", {})
     if load_module_only:  # as DeepSpeed: the saved counters come back in client_state, the engine's stay
         client_state = dict(client_state)

@@ -10,11 +10,18 @@ layer index, :func:`layer_of`) and the entry's N-dimensional slice of the tensor
 (``offsets`` and ``lengths`` per dimension, :func:`flat_range_to_box`; None when the flat range is not a
 box). The flat range stays authoritative (docs/checkpoints.md). Version-1 checkpoints load: their entries
 get the same derived fields when read.
+
+Format version 3 makes every byte a load uses checked before use: ``metadata.json`` carries ``checksum``,
+the SHA-256 of its own canonical body (:func:`canonical_body`), and each file's record carries
+``header_crc32``, the CRC-32 of its safetensors length prefix and header. Versions 1 and 2 (which have
+neither) still load, with a warning once per process.
 """
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -26,10 +33,28 @@ from ..errors import CheckpointError
 from .format import ShardReader
 
 FORMAT = "shardspeed.checkpoint"
-VERSION = 2  # 2: entries carry layer, offsets, lengths; 1 (no such fields) still loads
+VERSION = 3  # 3: metadata checksum, header CRCs; 2: entries carry layer, offsets, lengths; 1 and 2 still load
+CHECKSUM_VERSION = 3  # the first version whose metadata.json must carry its checksum
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 WEIGHT = ""  # the state name of a parameter's (or buffer's) value; optimizer states use their own key
+
+
+logger = logging.getLogger("shardspeed")
+_warned_unverified = False
+
+
+def canonical_body(d: Dict[str, Any]) -> bytes:
+    """The bytes the metadata checksum covers: the parsed JSON without its ``checksum`` key, re-serialised
+    with sorted keys and no spaces. Checking the parsed content (not the raw file) means any flipped byte
+    that changes what a load would use (a digit of a number, a character of a name) changes this body;
+    one that changes nothing (``e`` to ``E`` in an exponent) is harmless."""
+    body = {k: v for k, v in d.items() if k != "checksum"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True).encode()
+
+
+def metadata_checksum(d: Dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(canonical_body(d)).hexdigest()
 
 
 def rank_file(rank: int) -> str:
@@ -128,7 +153,8 @@ def flat_range_to_box(shape: Sequence[int], start: int, end: int) -> Optional[Tu
 class FileInfo:
     rank: int
     bytes: int
-    crc32: int
+    crc32: int  # of the whole file (common.pt: checked on every load; rank files: per tensor, see Entry)
+    header_crc32: Optional[int] = None  # safetensors files, format 3: of the length prefix and JSON header
 
 
 @dataclass
@@ -155,19 +181,50 @@ class CheckpointMetadata:
             "files": {k: asdict(v) for k, v in self.files.items()}, "optimizer": self.optimizer, "rng": self.rng,
             "entries": [e.to_json() for e in self.entries],
         }
+        d = json.loads(json.dumps(d))  # as a reader will parse it (tuples become lists, ...)
+        d["checksum"] = metadata_checksum(d)
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str, where: str = "") -> CheckpointMetadata:
+        global _warned_unverified
         try:
             d = json.loads(text)
         except ValueError as exc:
             raise CheckpointError(f"{where}: metadata is not valid JSON ({exc}); the file is truncated or corrupt") from exc
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where}: metadata is not a JSON object; the file is corrupt")
+        if "checksum" in d:  # checked before anything in it is used
+            got = metadata_checksum(d)
+            if got != d["checksum"]:
+                raise CheckpointError(f"{where} fails its checksum ({got}, recorded {str(d['checksum'])[:80]}); "
+                                      f"the file is corrupt")
+        try:
+            version = int(d.get("version", 0))
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{where}: metadata has no valid format version; the file is corrupt") from None
+        if version > VERSION and d.get("format") == FORMAT:
+            raise CheckpointError(f"{where} has format version {version}; this shardspeed reads up to {VERSION}: "
+                                  f"upgrade shardspeed")
+        if "checksum" not in d and version >= CHECKSUM_VERSION:
+            raise CheckpointError(f"{where} has format version {version} but no checksum; the file is corrupt")
+        if "checksum" not in d and not _warned_unverified and d.get("format") == FORMAT and version <= VERSION:
+            _warned_unverified = True
+            logger.warning("%s has format version %s, written before checksums of the metadata and file headers: "
+                           "those are not verified (tensor data and common.pt are); save again to get format %d",
+                           where, version, VERSION)
         if d.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not a shardspeed checkpoint (format {d.get('format')!r})")
         if int(d.get("version", 0)) > VERSION:
             raise CheckpointError(f"{where} has format version {d['version']}; this shardspeed reads up to {VERSION}: "
                                   f"upgrade shardspeed")
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CheckpointError(f"{where}: metadata is malformed ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any]) -> CheckpointMetadata:
         meta = cls(
             tag=d["tag"], world_size=int(d["world_size"]), zero_stage=int(d["zero_stage"]), train_dtype=d["train_dtype"],
             tensors={k: TensorInfo(**v) for k, v in d["tensors"].items()}, aliases=dict(d.get("aliases", {})),
@@ -191,8 +248,17 @@ class CheckpointMetadata:
         path = os.path.join(ckpt_dir, METADATA_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete shardspeed checkpoint")
-        with open(path) as f:
-            return cls.from_json(f.read(), path)
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{path}: metadata is not valid UTF-8 ({exc}); the file is corrupt") from exc
+        return cls.from_json(text, path)
+
+    def header_crc32(self) -> Dict[str, Optional[int]]:
+        """Per file, the recorded CRC-32 of its safetensors header (None before format 3)."""
+        return {name: info.header_crc32 for name, info in self.files.items()}
 
     def check_files(self, ckpt_dir: str) -> None:
         """Every file exists and has the size recorded at save time (cheap: one stat per file)."""

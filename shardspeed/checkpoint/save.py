@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -119,7 +120,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     save_latest: bool = True) -> str:
     """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
     t0 = time.perf_counter()
-    view = EngineView(engine)
+    view = EngineView(engine, "save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")
@@ -127,20 +128,49 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
 
     # 1. rank 0 prepares the temporary directory; every rank learns its name (and that tags agree)
     prep: Tuple[Optional[str], Optional[str], str] = (None, None, tag)
+    mine: Optional[str] = None  # the temporary directory this rank created (rank 0), removed on failure
     if view.rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
             remove_stale(save_dir)
-            tmp = new_temp_dir(save_dir, tag)
-            os.makedirs(tmp)
-            prep = (tmp, None, tag)
+            mine = new_temp_dir(save_dir, tag)
+            os.makedirs(mine)
+            prep = (mine, None, tag)
         except OSError as exc:
             prep = (None, f"cannot create a checkpoint directory in {save_dir}: {exc}", tag)
-    tmp, err, tag0 = view.broadcast_object(prep)
-    if err is None and tag0 != tag:
-        err = f"ranks disagree on the checkpoint tag (rank 0: {tag0!r}, rank {view.rank}: {tag!r}); pass the same tag"
-    view.agree(err)
+    tmp: Optional[str] = None
+    try:
+        tmp, err, tag0 = view.broadcast_object(prep)
+        if err is None and tag0 != tag:
+            err = (f"ranks disagree on the checkpoint tag (rank 0: {tag0!r}, rank {view.rank}: {tag!r}); "
+                   f"pass the same tag")
+        view.agree(err)
+        assert tmp is not None
+        return _save_into(view, engine, save_dir, tmp, tag, client_state, save_latest, t0)
+    except BaseException:
+        _remove_leftovers(view.rank, mine, tmp)
+        raise
 
+
+def _remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> None:
+    """After a failed save: rank 0 removes the temporary directory it made, every other rank the file it
+    wrote there (in case rank 0 is gone). Only ``*.tmp-*`` paths: never a committed checkpoint (after the
+    commit's rename the temporary name no longer exists, and removing it does nothing)."""
+    if mine is not None and ".tmp-" in os.path.basename(mine):
+        shutil.rmtree(mine, ignore_errors=True)
+    elif tmp is not None and ".tmp-" in os.path.basename(tmp):
+        try:
+            os.remove(os.path.join(tmp, rank_file(rank)))
+        except OSError:
+            pass
+        try:
+            os.rmdir(tmp)  # succeeds only if empty (rank 0's own cleanup may have raced with ours)
+        except OSError:
+            pass
+
+
+def _save_into(view: EngineView, engine, save_dir: str, tmp: str, tag: str, client_state: Optional[dict],
+               save_latest: bool, t0: float) -> str:
     # 2. every rank streams its own file
     record: Dict[str, Any] = {"rank": view.rank}
     try:
@@ -154,6 +184,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             if e.file:
                 e.crc32 = written.tensor_crc32[e.key]
         record.update(file=rank_file(view.rank), bytes=written.bytes, crc32=written.crc32,
+                      header_crc32=written.header_crc32,
                       entries=[e.to_json() for e in entries], groups=groups,
                       rng={"py": rng_py, "tensors": {k: written.tensor_crc32[k] for k, _ in rng_tensors}})
         del items
@@ -194,7 +225,7 @@ def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dic
     buf = io.BytesIO()
     torch.save(common, buf)
     data = buf.getvalue()
-    files = {r["file"]: FileInfo(r["rank"], r["bytes"], r["crc32"]) for r in records}
+    files = {r["file"]: FileInfo(r["rank"], r["bytes"], r["crc32"], r["header_crc32"]) for r in records}
     files[COMMON_FILE] = FileInfo(0, len(data), write_file_synced(os.path.join(tmp, COMMON_FILE), data))
     groups: Dict[str, dict] = {}
     for r in records:

@@ -129,6 +129,25 @@ def _fused_applies(cls: type, tensors: Sequence[torch.Tensor]) -> bool:
     return len(kinds) == 1 and kinds <= device_types and all(t.is_floating_point() for t in tensors)
 
 
+def _check_sequences(type_name: str, cls: type, params: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """A hyper-parameter whose default is a tuple of numbers (``betas``, ``etas``, ``step_sizes``) must be a
+    list of as many numbers: otherwise the optimizer's constructor fails with an IndexError or TypeError
+    that does not say which key is wrong."""
+    sig = inspect.signature(cls.__init__)  # type: ignore[misc]
+    for k, v in params.items():
+        default = defaults.get(k, sig.parameters[k].default if k in sig.parameters else None)
+        if not (isinstance(default, tuple) and default and all(isinstance(x, (int, float)) for x in default)):
+            continue
+        ok = (isinstance(v, tuple) and len(v) == len(default)
+              and all(isinstance(x, (int, float, torch.Tensor)) and not isinstance(x, bool) for x in v))
+        if not ok:
+            shown = list(v) if isinstance(v, tuple) else v
+            raise ConfigError(
+                f"optimizer.params.{k} of {type_name!r} must be a list of {len(default)} numbers "
+                f"(e.g. {list(default)}), got {shown!r}"
+            )
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
@@ -198,6 +217,7 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
     for k, v in list(params.items()):
         if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes
             params[k] = tuple(v)
+    _check_sequences(type_name, cls, params, defaults)
 
     kwargs = {**defaults, **params}
     groups = _materialize(param_groups)
@@ -210,7 +230,7 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
         kwargs["fused"] = True
     try:
         optimizer = cls(groups, **kwargs)
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as e:
         raise ConfigError(f"optimizer {type_name!r} rejected its params {params}: {_one_line(e)}") from e
     logger.debug("built %s with %s", cls.__name__, kwargs)
     return optimizer
