@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -185,10 +186,26 @@ def build_engine(
         wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
+        flops_profiler=_flops_profiler(cfg, model, master.units, topo),
     )
     engine = Engine(parts)
     ds_groups.set_topology(topo)
     return engine
+
+
+def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topology):
+    """``flops_profiler.enabled``: the step profiler, counting parameters at their true sizes (stage 3 holds
+    placeholders of the shards between gathers)."""
+    fp = cfg.flops_profiler
+    if not fp.enabled:
+        return None
+    from ..profiling.engine_profiler import StepFlopsProfiler
+
+    sizes = {id(p): math.prod(shape) for u in units for p, shape in zip(u.params, u.shapes)}
+    return StepFlopsProfiler(model, profile_step=fp.profile_step, module_depth=fp.module_depth,
+                             top_modules=fp.top_modules, detailed=fp.detailed, output_file=fp.output_file,
+                             recompute_fwd_factor=float(fp.recompute_fwd_factor),
+                             param_numel=lambda p: sizes.get(id(p), p.numel()), device=topo.device)
 
 
 def _topology(cfg: ShardspeedConfig, mpu) -> Topology:

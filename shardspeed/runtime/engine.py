@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -51,6 +51,7 @@ class EngineParts:
     training_dataloader: Any = None
     gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
     config: Any = None  # kept for checkpoints and introspection only; never branched on here
+    flops_profiler: Any = None  # shardspeed.profiling.engine_profiler.StepFlopsProfiler (flops_profiler.enabled)
     extras: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -268,7 +269,7 @@ class Engine(nn.Module):
 
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        with self._timers("forward"):
+        with self._timers("forward"), self._flops_scope("forward"):
             args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
 
@@ -285,7 +286,7 @@ class Engine(nn.Module):
         self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
         gas = self._p.gradient_accumulation_steps
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
-        with self._timers("backward"):
+        with self._timers("backward"), self._flops_scope("backward"):
             scaled.backward(retain_graph=retain_graph)
         return loss.detach() / gas
 
@@ -298,9 +299,12 @@ class Engine(nn.Module):
         if self._in_no_sync:
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
         if self.is_gradient_accumulation_boundary():
-            with self._timers("step"):
+            profiled = self._flops_active()
+            with self._timers("step"), self._flops_scope("step"):
                 self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
                 self._optimizer_step()
+            if profiled:
+                self._flops_report()
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -393,6 +397,41 @@ class Engine(nn.Module):
             logger.info("time per call: %s", self._timers.report_and_reset())
         if self._p.comms_logger.keep_records:
             logger.info("collectives so far:\n%s", self._p.comms_logger.table())
+
+    # ---- flops profiler (logic in shardspeed.profiling) ---------------------------------------------------
+    def _flops_active(self) -> bool:
+        prof = self._p.flops_profiler
+        return prof is not None and prof.active(self.global_steps)
+
+    def _flops_scope(self, phase: str):
+        """At the profiled step: the profiler's context for ``phase`` (forward, backward, step)."""
+        return getattr(self._p.flops_profiler, phase)() if self._flops_active() else nullcontext()
+
+    def _flops_report(self) -> None:
+        topo = self._p.topology
+        self._p.flops_profiler.finish(
+            report_step=self.global_steps, rank=self.global_rank, world_size=torch.distributed.get_world_size(),
+            dp_size=topo.dp_size, mp_size=topo.mp_size, micro_batch_size=self._p.micro_batch_size)
+
+    def flops_per_step(self, measured: bool = False) -> Optional[int]:
+        """FLOPs this rank computes in one optimizer step (every micro-batch), from the forward and backward
+        counted at ``flops_profiler.profile_step``; None before then or when the profiler is off.
+
+        Default: model FLOPs, 3 × the counted forward (DeepSpeed's "fwd+bwd = 3 × fwd flops", the MFU
+        convention). ``measured=True``: forward + backward as counted (flash attention's score recompute and
+        activation-checkpoint recomputation included, for HFU); a backward run outside :meth:`backward` is
+        then estimated as (2 + recompute_fwd_factor) × forward, as DeepSpeed does."""
+        prof = self._p.flops_profiler
+        if prof is None or prof.model_flops_per_step is None:
+            return None
+        return prof.fwd_flops_per_step + prof.bwd_flops_per_step if measured else prof.model_flops_per_step
+
+    def peak_flops(self) -> Optional[float]:
+        """Dense peak FLOP/s of this rank's device in the training dtype (``shardspeed.profiling.PEAK_TABLE``);
+        None on CPU, in fp32, or for an unlisted device. MFU = flops_per_step / step seconds / peak_flops."""
+        from ..profiling.peak import peak_flops
+
+        return peak_flops(self.device, self._p.train_dtype)
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""
