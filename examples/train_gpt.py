@@ -220,6 +220,8 @@ def main(argv=None) -> int:
     config = load_config(args.config, args.steps)
 
     engine, optimizer, loader, _scheduler = initialize(args.backend, model, config, train_set)
+    if hasattr(engine, "set_tokens_per_sample"):  # shardspeed's monitors then write Train/Samples/tokens_per_sec
+        engine.set_tokens_per_sample(args.block_size)
     rank, world = rank_and_world()
     device = getattr(engine, "device", None)
     gas = gradient_accumulation_steps(engine)

@@ -103,17 +103,17 @@ class WandbConfig(ConfigModel):
 
 
 class CometConfig(ConfigModel):
-    """`comet`: log metrics to Comet (accepted; not implemented)."""
+    """`comet`: log metrics to Comet (needs comet_ml>=3.41.0)."""
 
-    enabled: bool = field(False, "DeepSpeed: log to Comet.", ignored=True)
-    samples_log_interval: int = field(100, "Samples between submissions.", ignored=True)
-    project: Optional[str] = field(None, "Project name.", ignored=True)
-    workspace: Optional[str] = field(None, "Workspace name.", ignored=True)
-    api_key: Optional[str] = field(None, "API key.", ignored=True)
-    experiment_name: Optional[str] = field(None, "Experiment name.", ignored=True)
-    experiment_key: Optional[str] = field(None, "Experiment key.", ignored=True)
-    online: Optional[bool] = field(None, "Log online (true) or offline.", ignored=True)
-    mode: Optional[str] = field(None, "\"get\", \"create\" or \"get_or_create\".", ignored=True)
+    enabled: bool = field(False, "Log to Comet (needs the comet_ml package, 3.41 or newer).")
+    samples_log_interval: int = field(100, "Samples between submissions.")
+    project: Optional[str] = field(None, "Project name.")
+    workspace: Optional[str] = field(None, "Workspace name.")
+    api_key: Optional[str] = field(None, "API key.")
+    experiment_name: Optional[str] = field(None, "Experiment name.")
+    experiment_key: Optional[str] = field(None, "Experiment key.")
+    online: Optional[bool] = field(None, "Log online (true) or offline.")
+    mode: Optional[str] = field(None, "\"get\", \"create\" or \"get_or_create\".")
 
 
 class FlopsProfilerConfig(ConfigModel):

@@ -98,7 +98,7 @@ class ShardspeedConfig(ConfigModel):
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig, description="TensorBoard.")
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig, description="CSV metrics.")
     wandb: WandbConfig = field(default_factory=WandbConfig, description="Weights & Biases.")
-    comet: CometConfig = field(default_factory=CometConfig, description="Comet (accepted, not implemented).")
+    comet: CometConfig = field(default_factory=CometConfig, description="Comet.")
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig,
                                                 description="FLOPs profiler.")
     activation_checkpointing: ActivationCheckpointingConfig = field(

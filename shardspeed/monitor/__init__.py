@@ -1,4 +1,6 @@
-"""Timers, rank-aware logging and metrics."""
+"""Timers, rank-aware logging and the metric monitors (CSV, TensorBoard, W&B, Comet)."""
+from .master import MonitorMaster
+from .sink import Event, Sink
 from .timers import Timers
 
-__all__ = ["Timers"]
+__all__ = ["Event", "MonitorMaster", "Sink", "Timers"]

@@ -187,6 +187,7 @@ def build_engine(
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
+        monitor=_monitor(cfg, collectives, comms_logger, topo),
     )
     engine = Engine(parts)
     ds_groups.set_topology(topo)
@@ -228,6 +229,43 @@ def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
     if stages > 1:
         raise ConfigError(f"pipeline.stages {stages}: pipeline parallelism is not implemented yet; use 1 or \"auto\"")
     return Topology.from_mesh(pipe=stages, model=tp)
+
+
+def _monitor(cfg: ShardspeedConfig, collectives: Collectives, comms_logger: CommsLogger, topo: Topology):
+    """The monitors of the ``tensorboard``, ``csv_monitor``, ``wandb`` and ``comet`` blocks (None when none is
+    enabled). Every rank checks the optional packages (all fail together, at initialize); only global rank 0
+    creates directories, writers and runs."""
+    from ..monitor.comet import CometMonitor, require_comet
+    from ..monitor.csv_monitor import CSVMonitor
+    from ..monitor.master import MonitorMaster
+    from ..monitor.sink import Sink, require
+    from ..monitor.step_events import StepEvents
+    from ..monitor.tensorboard import TensorBoardMonitor
+    from ..monitor.wandb import WandbMonitor
+
+    tb, csv_cfg, wb, comet = cfg.tensorboard, cfg.csv_monitor, cfg.wandb, cfg.comet
+    if not (tb.enabled or csv_cfg.enabled or wb.enabled or comet.enabled):
+        return None
+    if tb.enabled:
+        require("tensorboard", "tensorboard", "tensorboard")
+    if wb.enabled:
+        require("wandb", "wandb", "wandb")
+    if comet.enabled:
+        require_comet()
+    sinks: List[Sink] = []
+    if torch.distributed.get_rank() == 0:
+        if tb.enabled:
+            sinks.append(TensorBoardMonitor(tb.output_path, tb.job_name))
+        if wb.enabled:
+            sinks.append(WandbMonitor(wb.project, wb.group, wb.team))
+        if csv_cfg.enabled:
+            sinks.append(CSVMonitor(csv_cfg.output_path, csv_cfg.job_name))
+        if comet.enabled:
+            sinks.append(CometMonitor(comet.samples_log_interval, comet.project, comet.workspace, comet.api_key,
+                                      comet.experiment_name, comet.experiment_key, comet.online, comet.mode))
+    return StepEvents(MonitorMaster(sinks, enabled=True), collectives=collectives, comms_logger=comms_logger,
+                      device=topo.device, world_size=torch.distributed.get_world_size(),
+                      write_loss_scale=bool(cfg.fp16.enabled), write_timers=bool(cfg.wall_clock_breakdown))
 
 
 def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.topology import Topology
 from ..errors import ShardspeedError
+from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
@@ -53,6 +54,7 @@ class EngineParts:
     config: Any = None  # kept for checkpoints and introspection only; never branched on here
     flops_profiler: Any = None  # shardspeed.profiling.engine_profiler.StepFlopsProfiler (flops_profiler.enabled)
     extras: Dict[str, Any] = field(default_factory=dict)
+    monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
 
 
 def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
@@ -100,6 +102,10 @@ class Engine(nn.Module):
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
+        # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
+        self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
+        if parts.wall_clock_breakdown:
+            parts.reducer.epilogue_timer = lambda: self._timers("backward_allreduce")
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
     @property
@@ -284,6 +290,8 @@ class Engine(nn.Module):
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ShardspeedError("backward(loss) expects a scalar loss tensor (call .mean() or .sum() first)")
         self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
+        if self._p.monitor is not None:
+            self._p.monitor.add_loss(loss)
         gas = self._p.gradient_accumulation_steps
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
         with self._timers("backward"), self._flops_scope("backward"):
@@ -305,6 +313,8 @@ class Engine(nn.Module):
                 self._optimizer_step()
             if profiled:
                 self._flops_report()
+            if self._p.monitor is not None:  # after the step timer stopped, as DeepSpeed writes them
+                self._p.monitor.after_step(self, self._timers)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -412,6 +422,11 @@ class Engine(nn.Module):
         self._p.flops_profiler.finish(
             report_step=self.global_steps, rank=self.global_rank, world_size=torch.distributed.get_world_size(),
             dp_size=topo.dp_size, mp_size=topo.mp_size, micro_batch_size=self._p.micro_batch_size)
+        per_step = self.flops_per_step()
+        if self._p.monitor is not None and per_step:  # the monitors can now write tflops (and mfu on a GPU)
+            world = torch.distributed.get_world_size()
+            self.set_flops_per_sample(per_step * world / self._p.train_batch_size)
+            self.set_peak_flops(self.peak_flops())
 
     def flops_per_step(self, measured: bool = False) -> Optional[int]:
         """FLOPs this rank computes in one optimizer step (every micro-batch), from the forward and backward
@@ -432,6 +447,20 @@ class Engine(nn.Module):
         from ..profiling.peak import peak_flops
 
         return peak_flops(self.device, self._p.train_dtype)
+    def set_tokens_per_sample(self, tokens: Optional[float]) -> None:
+        """Tokens in one sample (e.g. the sequence length): the monitors then write ``tokens_per_sec``."""
+        if self._p.monitor is not None:
+            self._p.monitor.tokens_per_sample = tokens
+
+    def set_flops_per_sample(self, flops: Optional[float]) -> None:
+        """Training FLOPs (forward + backward) of one sample: the monitors then write ``tflops`` per device."""
+        if self._p.monitor is not None:
+            self._p.monitor.flops_per_sample = flops
+
+    def set_peak_flops(self, flops_per_sec: Optional[float]) -> None:
+        """One device's peak FLOP/s in the training dtype: with the FLOPs per sample, the monitors write ``mfu``."""
+        if self._p.monitor is not None:
+            self._p.monitor.peak_flops = flops_per_sec
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""

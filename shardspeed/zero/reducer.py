@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,6 +115,8 @@ class GradientReducer:
         self.on_unit_ready = on_unit_ready
         self._sync_policy: Callable[[], bool] = lambda: True
         self._end_callbacks: List[Callable[[], None]] = []
+        #: wraps the end-of-backward launch-and-wait (the engine times it as backward_allreduce)
+        self.epilogue_timer: Callable[[], ContextManager] = nullcontext
         self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
         self._pending_hooks = 0
         for ui, unit in enumerate(self.units):
@@ -268,7 +271,8 @@ class GradientReducer:
             return
         self._in_backward = False
         if self._reduce_now:
-            self._launch_all_and_wait()
+            with self.epilogue_timer():
+                self._launch_all_and_wait()
             if not self._order_learned:
                 self._learn_order()
         for fn in self._end_callbacks:
