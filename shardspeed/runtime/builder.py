@@ -186,8 +186,12 @@ def build_engine(
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
     )
+    if cfg.memory_breakdown:
+        parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
     engine = Engine(parts)
     ds_groups.set_topology(topo)
+    if cfg.dump_state and engine.global_rank == 0:
+        logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
     return engine
 
 

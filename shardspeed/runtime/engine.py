@@ -391,6 +391,8 @@ class Engine(nn.Module):
         )
         if self._p.wall_clock_breakdown:
             logger.info("time per call: %s", self._timers.report_and_reset())
+        if self._p.extras.get("memory_breakdown"):
+            logger.info("memory (bytes): %s", self.memory_breakdown())
         if self._p.comms_logger.keep_records:
             logger.info("collectives so far:\n%s", self._p.comms_logger.table())
 
