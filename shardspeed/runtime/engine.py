@@ -98,6 +98,7 @@ class Engine(nn.Module):
         self._last_loss: Optional[torch.Tensor] = None
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
+        self._progress: Any = None  # the bar of progress(), refreshed after each optimizer step
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
@@ -328,6 +329,8 @@ class Engine(nn.Module):
         self.global_samples += p.train_batch_size
         self._samples_since_print += p.train_batch_size
         self._maybe_print()
+        if self._progress is not None:
+            self._progress.on_optimizer_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine also does this after every optimizer step)."""
@@ -395,6 +398,19 @@ class Engine(nn.Module):
             logger.info("memory (bytes): %s", self.memory_breakdown())
         if self._p.comms_logger.keep_records:
             logger.info("collectives so far:\n%s", self._p.comms_logger.table())
+
+    def progress(self, iterable: Any = None, total: Optional[int] = None, desc: Optional[str] = "train",
+                 **tqdm_kwargs: Any):
+        """A tqdm bar on global rank 0 whose postfix shows loss, LR and samples/s, refreshed by the engine
+        after each optimizer step (from its own counters; the loss is read only when the bar redraws).
+
+        Without ``iterable`` the bar counts optimizer steps (give ``total`` = the steps to run); with one,
+        it wraps it (``for batch in engine.progress(loader): ...``) and counts its items. Off on other ranks
+        and, as tqdm's ``disable=None``, when the output is not a TTY; ``disable=False`` forces it on rank 0.
+        Other keyword arguments go to tqdm (``file``, ``initial``, ``mininterval``, ...)."""
+        from .progress import make_progress
+
+        return make_progress(self, iterable, total=total, desc=desc, **tqdm_kwargs)
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""
