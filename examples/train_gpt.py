@@ -260,8 +260,12 @@ def main(argv=None) -> int:
     losses: dict[int, float] = {}  # step number (1-based) -> rank 0's loss
     fail_rank = min(1, world - 1)
     start = time.perf_counter()
-    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=rank != 0,
-                    desc="train", dynamic_ncols=True)
+    if hasattr(engine, "progress"):  # shardspeed: loss, LR and samples/s from the engine; off when not a TTY
+        progress = engine.progress(range(start_step, args.steps), initial=start_step, total=args.steps,
+                                   desc="train", dynamic_ncols=True)
+    else:
+        progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=rank != 0,
+                        desc="train", dynamic_ncols=True)
     for step in progress:
         step_loss = 0.0
         for _ in range(gas):
@@ -275,8 +279,9 @@ def main(argv=None) -> int:
         done = step + 1
         losses[done] = step_loss
         elapsed = time.perf_counter() - start
-        progress.set_postfix(loss=f"{step_loss:.3f}", lr=f"{current_lr(engine, optimizer):.2e}",
-                             tok_s=f"{(done - start_step) * tokens_per_step / elapsed:,.0f}")
+        if not hasattr(engine, "progress"):  # shardspeed's bar shows the engine's own numbers
+            progress.set_postfix(loss=f"{step_loss:.3f}", lr=f"{current_lr(engine, optimizer):.2e}",
+                                 tok_s=f"{(done - start_step) * tokens_per_step / elapsed:,.0f}")
         if args.fail_at_step == done and restart_count == 0 and rank == fail_rank:
             print(f"fault drill: rank {rank} exits after step {done}", flush=True)
             os._exit(1)

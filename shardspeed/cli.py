@@ -1,5 +1,6 @@
 """The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``, ``consolidate`` (a sharded
-checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`); ``autotune`` is not
+checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`), ``plot`` (the CSV monitor's
+loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`); ``autotune`` is not
 implemented yet.
 
 ``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
@@ -281,6 +282,18 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .monitor.csv_plot import PlotError, plot_run
+
+    try:
+        out = plot_run(args.run_dir, args.output)
+    except (PlotError, OSError) as e:
+        print(f"shardspeed plot: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def _not_implemented(name: str):
     def run(args: argparse.Namespace) -> int:
         print(f"shardspeed {name}: not implemented yet", file=sys.stderr)
@@ -293,7 +306,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate,plot}")
     # `run` is dispatched before argparse (its arguments belong to torchrun and the script); it is
     # registered here for --help only.
     sub.add_parser("run", help="launch a script on N processes (wraps torchrun)", add_help=False)
@@ -320,6 +333,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "with a Hugging Face style index; loads with model.load_state_dict.")
     _consolidate_parser(p)
     p.set_defaults(func=_consolidate_run)
+
+    p = sub.add_parser("plot", help="draw loss, LR and throughput from the CSV monitor into a PNG",
+                       description="Read the csv_monitor files of a run ({output_path}/{job_name}/"
+                                   "Train_Samples_*.csv) and draw loss, LR and throughput panels into a PNG.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the job directory, or an output_path with one job")
+    p.add_argument("-o", "--output", help="the PNG to write (default: RUN_DIR's job directory/training.png)")
+    p.set_defaults(func=_cmd_plot)
 
     for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),):
         p = sub.add_parser(name, help=text)

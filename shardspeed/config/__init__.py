@@ -20,6 +20,7 @@ from .blocks import (
                      TensorParallelConfig,
                      WandbConfig,
 )
+from .features import IMPLEMENTED_BLOCKS
 from .loader import load_config, parse_config
 from .models import ShardspeedConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
@@ -32,4 +33,5 @@ __all__ = [
     "OptimizerConfig", "SchedulerConfig", "CheckpointConfig", "ParallelWriteConfig",
     "CommsLoggerConfig", "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig", "CometConfig",
     "FlopsProfilerConfig", "ActivationCheckpointingConfig", "AioConfig", "PipelineConfig", "TensorParallelConfig",
+    "IMPLEMENTED_BLOCKS",
 ]

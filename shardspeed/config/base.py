@@ -9,6 +9,7 @@ pydantic's own errors) into one-line `ConfigError`s that name the dotted key.
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Any, ClassVar, Dict, List
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,12 +21,16 @@ from pydantic_core import PydanticCustomError
 #   "ignored": True when shardspeed accepts the key for compatibility but does not act on it
 #              (a warning is logged when it is set to a non-default value).
 #   "unsupported": True when only the default value is accepted (another value is an error).
+#   "not_implemented": what the key asks for, when shardspeed does not implement it yet: any value other
+#              than the default is refused with "'<key>' ... is not implemented yet" (checked by
+#              ConfigModel for every block, so a config carrying the key at its default still loads).
 #   "default_doc": how the default is shown in docs/config.md when it is computed.
 AUTO_DEFAULT = "default"
 
 
 def field(default: Any = None, description: str = "", *, auto: Any = None, ignored: bool = False,
-          unsupported: bool = False, default_doc: str | None = None, **kwargs: Any) -> Any:
+          unsupported: bool = False, default_doc: str | None = None, not_implemented: str | None = None,
+          **kwargs: Any) -> Any:
     """A pydantic `Field` carrying shardspeed's markers (see the module docstring)."""
     extra: Dict[str, Any] = {}
     if auto is not None:
@@ -36,6 +41,8 @@ def field(default: Any = None, description: str = "", *, auto: Any = None, ignor
         extra["unsupported"] = True
     if default_doc is not None:
         extra["default_doc"] = default_doc
+    if not_implemented is not None:
+        extra["not_implemented"] = not_implemented
     if "default_factory" in kwargs:
         return Field(description=description, json_schema_extra=extra or None, **kwargs)
     return Field(default, description=description, json_schema_extra=extra or None, **kwargs)
@@ -62,6 +69,23 @@ class ConfigModel(BaseModel):
     def accepted_keys(cls) -> List[str]:
         """Every key this block accepts: field names and aliases."""
         return list(cls.model_fields) + list(cls.ALIASES)
+
+    @model_validator(mode="after")
+    def _refuse_not_implemented(self) -> Any:
+        """A key marked `not_implemented` set to anything but its default is an error, not a no-op."""
+        cls = type(self)
+        for name, info in cls.model_fields.items():
+            what = field_marker(cls, name, "not_implemented")
+            if what is None:
+                continue
+            default = info.get_default(call_default_factory=True)
+            value = getattr(self, name)
+            if value != default:
+                raise PydanticCustomError(
+                    "not_implemented", "'{key}' = {value}: {what} is not implemented yet in shardspeed; remove "
+                    "the key or set it to {default}",
+                    {"key": name, "value": _json(value), "what": what, "default": _json(default)})
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -100,3 +124,10 @@ class ConfigModel(BaseModel):
                         "'{key}' is \"auto\", which shardspeed cannot derive: the caller (e.g. the Hugging "
                         "Face Trainer) must fill in a value before passing the config", {"key": key})
         return data
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -128,15 +128,27 @@ class FlopsProfilerConfig(ConfigModel):
     output_file: Optional[str] = field(None, "File for the report; None means stdout.")
 
 
-class ActivationCheckpointingConfig(ConfigModel):
-    """`activation_checkpointing`: DeepSpeed's activation checkpointing API options."""
+_ACT_CKPT = ("DeepSpeed's activation-checkpointing API (deepspeed.checkpointing; use torch.utils.checkpoint in "
+             "the model)")
 
-    partition_activations: bool = field(False, "Shard checkpointed activations across model-parallel ranks.")
-    number_checkpoints: Optional[int] = field(None, "Number of checkpoints, when known.", ge=0)
-    contiguous_memory_optimization: bool = field(False, "Copy checkpoints into a contiguous buffer.")
-    synchronize_checkpoint_boundary: bool = field(False, "Synchronise the device at each checkpoint.")
-    profile: bool = field(False, "Time the checkpointing functions.")
-    cpu_checkpointing: bool = field(False, "Offload partitioned activations to CPU.")
+
+class ActivationCheckpointingConfig(ConfigModel):
+    """`activation_checkpointing`: options of DeepSpeed's activation-checkpointing API
+    (`deepspeed.checkpointing.checkpoint`), which shardspeed does not provide yet: checkpoint activations
+    with `torch.utils.checkpoint` inside the model. The block loads at its defaults; a key that asks for
+    behaviour is refused."""
+
+    partition_activations: bool = field(False, "Shard checkpointed activations across model-parallel ranks.",
+                                        not_implemented=_ACT_CKPT)
+    number_checkpoints: Optional[int] = field(None, "Number of checkpoints, when known (a sizing hint for "
+                                              "contiguous_memory_optimization).", ge=0, ignored=True)
+    contiguous_memory_optimization: bool = field(False, "Copy checkpoints into a contiguous buffer.",
+                                                 not_implemented=_ACT_CKPT)
+    synchronize_checkpoint_boundary: bool = field(False, "Synchronise the device at each checkpoint.",
+                                                  not_implemented=_ACT_CKPT)
+    profile: bool = field(False, "Time the checkpointing functions.", not_implemented=_ACT_CKPT)
+    cpu_checkpointing: bool = field(False, "Offload partitioned activations to CPU.",
+                                    not_implemented=_ACT_CKPT)
 
 
 class CommsLoggerConfig(ConfigModel):

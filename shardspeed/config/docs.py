@@ -23,8 +23,14 @@ Differences from DeepSpeed:
 
 - Unknown keys are errors at every level (DeepSpeed ignores unknown top-level keys); the message
   names the dotted key and the closest valid one.
-- Keys marked *accepted, ignored* are read for compatibility but have no effect; setting one to a
-  non-default value logs a warning. Keys marked *only the default* are errors when set otherwise.
+- Nothing enabled is silently ignored. Keys marked *accepted, ignored* are compatibility no-ops that
+  change neither the results nor what a run writes (DeepSpeed performance knobs, legacy flags);
+  setting one to a non-default value logs a warning. Keys marked *only the default* are errors when
+  set otherwise, and keys marked *not implemented yet* (features a user turns on expecting behaviour:
+  DeepSpeed's activation-checkpointing API, ZeRO++, 16-bit master weights, parameter and buffer dtype
+  casts) are refused with a `ConfigError` naming the key unless they hold their default, so a DeepSpeed
+  config that merely carries them at their defaults loads. Blocks with an `enabled` key are
+  implemented (`shardspeed.config.IMPLEMENTED_BLOCKS`) or refused when enabled; a test checks this.
 - `"auto"` (written by Hugging Face) is resolved where it can be: the batch trio is derived from the
   other two and the world size, `gradient_clipping` becomes 1.0, bucket sizes and thresholds their
   defaults, `fp16.enabled`/`bf16.enabled` false. Anywhere else `"auto"` is an error: the caller must fill
@@ -89,6 +95,8 @@ def _rows(model: Type[ConfigModel], prefix: str) -> Tuple[List[str], List[Tuple[
             description += " *(accepted, ignored)*"
         if field_marker(model, name, "unsupported"):
             description += " *(only the default)*"
+        if field_marker(model, name, "not_implemented"):
+            description += " *(not implemented yet: refused unless the default)*"
         rows.append(f"| `{key}` | {_type_name(info.annotation)} | {_default(model, name)} | {description} |")
         sub = _sub_model(info.annotation)
         if sub is not None:

@@ -111,8 +111,9 @@ class ShardspeedConfig(ConfigModel):
     # Accepted for compatibility, not acted on.
     seq_parallel_communication_data_type: Optional[DtypeName] = field(
         "fp32", "DeepSpeed: gradient dtype of sequence-parallel collectives.", ignored=True)
-    dump_state: bool = field(False, "DeepSpeed: print the engine state after initialisation.", ignored=True)
-    memory_breakdown: bool = field(False, "DeepSpeed: log memory use at points of the step.", ignored=True)
+    dump_state: bool = field(False, "Log the resolved config (rank 0) when the engine is built.")
+    memory_breakdown: bool = field(False, "Log this rank's model-state memory (engine.memory_breakdown()) with "
+                                   "each steps_per_print line (rank 0).")
     disable_allgather: bool = field(False, "DeepSpeed: legacy flag, no effect.", ignored=True)
     sparse_gradients: bool = field(False, "Older DeepSpeed: reduce embedding gradients sparsely. Gradients are "
                                    "reduced dense here (same result).", ignored=True)

@@ -49,8 +49,8 @@ class FP16Config(ConfigModel):
         False, "Refill the hysteresis counter after every step without overflow.")
     min_loss_scale: float = field(1.0, "Floor of the dynamic loss scale.", gt=0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = field(
-        False, "DeepSpeed: keep master weights in fp16 (CPU Adam only). Master weights stay fp32 here.",
-        ignored=True)
+        False, "DeepSpeed: keep master weights in fp16 (CPU Adam only). Master weights are fp32 here.",
+        not_implemented="16-bit master weights")
 
 
 class BF16Config(ConfigModel):
@@ -63,9 +63,10 @@ class BF16Config(ConfigModel):
         True, "Skip the optimizer step (on every rank, counted in skipped_steps, LR schedule held) when the "
         "global gradient norm is inf/nan, in bf16 and fp32 training alike; fp16 always checks.")
     bf16_master_weights_and_grads: bool = field(
-        False, "DeepSpeed: keep master weights and gradients in bf16. Master weights stay fp32 here.",
-        ignored=True)
-    bf16_optimizer_states: bool = field(False, "DeepSpeed: keep optimizer states in bf16.", ignored=True)
+        False, "DeepSpeed: keep master weights and gradients in bf16. Master weights are fp32 here.",
+        not_implemented="16-bit master weights")
+    bf16_optimizer_states: bool = field(False, "DeepSpeed: keep optimizer states in bf16.",
+                                        not_implemented="bf16 optimizer states")
 
 
 class DataTypesConfig(ConfigModel):
@@ -74,9 +75,10 @@ class DataTypesConfig(ConfigModel):
     grad_accum_dtype: Optional[DtypeName] = field(
         None, "Dtype gradients are accumulated in across micro-batches (\"fp32\", \"fp16\", \"bf16\"); "
         "None means the training dtype.")
-    param_dtype: Optional[DtypeName] = field(None, "DeepSpeed: cast parameters to this dtype.", ignored=True)
+    param_dtype: Optional[DtypeName] = field(None, "DeepSpeed: cast parameters to this dtype.",
+                                             not_implemented="casting parameters to data_types.param_dtype")
     buffer_dtype: Optional[DtypeName] = field(None, "DeepSpeed: cast module buffers to this dtype.",
-                                              ignored=True)
+                                              not_implemented="casting module buffers to data_types.buffer_dtype")
     keep_in_fp32_modules: Union[Literal["auto"], List[str]] = field(
         "auto", "DeepSpeed: module name patterns whose buffers stay fp32 (\"auto\": the model's own list).",
         auto="keep", ignored=True)

@@ -140,13 +140,14 @@ class ZeroConfig(ConfigModel):
                                        "`stage3_allgather_sequential`.", ignored=True)
     legacy_stage1: bool = field(False, "DeepSpeed: old stage 1 implementation.", ignored=True)
     parameter_alignment: bool = field(False, "DeepSpeed: 16-byte alignment in flat buffers.", ignored=True)
-    zero_hpz_partition_size: int = field(1, "ZeRO++ hierarchical partition size (not implemented).", ge=0,
-                                         ignored=True)
-    zero_quantized_weights: bool = field(False, "ZeRO++ quantized weight all-gather (not implemented).",
-                                         ignored=True)
-    zero_quantized_nontrainable_weights: bool = field(False, "ZeRO++ quantized frozen weights (not "
-                                                      "implemented).", ignored=True)
-    zero_quantized_gradients: bool = field(False, "ZeRO++ quantized gradients (not implemented).", ignored=True)
+    zero_hpz_partition_size: int = field(1, "ZeRO++ hierarchical partition size.", ge=0,
+                                         not_implemented="ZeRO++ hierarchical partitioning (hpZ)")
+    zero_quantized_weights: bool = field(False, "ZeRO++ quantized weight all-gather.",
+                                         not_implemented="ZeRO++ quantized weights (qwZ)")
+    zero_quantized_nontrainable_weights: bool = field(False, "ZeRO++ quantized frozen weights.",
+                                                      not_implemented="ZeRO++ quantized frozen weights")
+    zero_quantized_gradients: bool = field(False, "ZeRO++ quantized gradients.",
+                                           not_implemented="ZeRO++ quantized gradients (qgZ)")
     memory_efficient_linear: bool = field(True, "DeepSpeed: stage 3 linear layer.", ignored=True)
     pipeline_loading_checkpoint: bool = field(False, "DeepSpeed: stage 3 pipeline checkpoint loading.",
                                               ignored=True)

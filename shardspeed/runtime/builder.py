@@ -189,8 +189,12 @@ def build_engine(
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
     )
+    if cfg.memory_breakdown:
+        parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
     engine = Engine(parts)
     ds_groups.set_topology(topo)
+    if cfg.dump_state and engine.global_rank == 0:
+        logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
     return engine
 
 

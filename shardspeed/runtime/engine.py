@@ -101,6 +101,7 @@ class Engine(nn.Module):
         self._last_loss: Optional[torch.Tensor] = None
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
+        self._progress: Any = None  # the bar of progress(), refreshed after each optimizer step
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
@@ -342,6 +343,8 @@ class Engine(nn.Module):
         self.global_samples += p.train_batch_size
         self._samples_since_print += p.train_batch_size
         self._maybe_print()
+        if self._progress is not None:
+            self._progress.on_optimizer_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine also does this after every optimizer step)."""
@@ -405,6 +408,8 @@ class Engine(nn.Module):
         )
         if self._p.wall_clock_breakdown:
             logger.info("time per call: %s", self._timers.report_and_reset())
+        if self._p.extras.get("memory_breakdown"):
+            logger.info("memory (bytes): %s", self.memory_breakdown())
         if self._p.comms_logger.keep_records:
             logger.info("collectives so far:\n%s", self._p.comms_logger.table())
 
@@ -447,6 +452,7 @@ class Engine(nn.Module):
         from ..profiling.peak import peak_flops
 
         return peak_flops(self.device, self._p.train_dtype)
+
     def set_tokens_per_sample(self, tokens: Optional[float]) -> None:
         """Tokens in one sample (e.g. the sequence length): the monitors then write ``tokens_per_sec``."""
         if self._p.monitor is not None:
@@ -461,6 +467,19 @@ class Engine(nn.Module):
         """One device's peak FLOP/s in the training dtype: with the FLOPs per sample, the monitors write ``mfu``."""
         if self._p.monitor is not None:
             self._p.monitor.peak_flops = flops_per_sec
+
+    def progress(self, iterable: Any = None, total: Optional[int] = None, desc: Optional[str] = "train",
+                 **tqdm_kwargs: Any):
+        """A tqdm bar on global rank 0 whose postfix shows loss, LR and samples/s, refreshed by the engine
+        after each optimizer step (from its own counters; the loss is read only when the bar redraws).
+
+        Without ``iterable`` the bar counts optimizer steps (give ``total`` = the steps to run); with one,
+        it wraps it (``for batch in engine.progress(loader): ...``) and counts its items. Off on other ranks
+        and, as tqdm's ``disable=None``, when the output is not a TTY; ``disable=False`` forces it on rank 0.
+        Other keyword arguments go to tqdm (``file``, ``initial``, ``mininterval``, ...)."""
+        from .progress import make_progress
+
+        return make_progress(self, iterable, total=total, desc=desc, **tqdm_kwargs)
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""

@@ -1,0 +1,27 @@
+"""Which config blocks the runtime implements: the registry the config audit checks.
+
+Every block of `ShardspeedConfig` that has an `enabled` key must be listed in `IMPLEMENTED_BLOCKS` (the
+builder reads its `enabled`; tests/test_config_audit.py builds an engine with the block enabled and checks
+that it does) or be refused at load when enabled (`_UNIMPLEMENTED_BLOCKS` in `models.py`, or a key marked
+`not_implemented`). Keys of other blocks that ask for behaviour shardspeed lacks are marked
+`not_implemented` (refused when set); keys marked `ignored` are compatibility no-ops that change neither
+the results nor what a run writes.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+#: block name -> what implements it.
+IMPLEMENTED_BLOCKS: Dict[str, str] = {
+    "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
+    "bf16": "bf16 training (runtime.builder: train dtype)",
+    "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
+    # Issue 15, implemented on the monitor and flops-profiler branches (reconciled at merge).
+    "tensorboard": "issue 15: TensorBoard monitor (monitor work)",
+    "csv_monitor": "issue 15: CSV monitor (monitor work)",
+    "wandb": "issue 15: Weights & Biases monitor (monitor work)",
+    "comet": "issue 15: Comet monitor (monitor work)",
+    "flops_profiler": "issue 15: the flops profiler (profiler work)",
+}
+
+__all__ = ["IMPLEMENTED_BLOCKS"]
