@@ -10,9 +10,13 @@ import torch.nn as nn
 from .unit import UnitState
 
 
-def _units_of(params) -> list:
+def _as_list(params) -> list:
     if isinstance(params, (torch.Tensor, nn.Parameter)):
-        params = [params]
+        return [params]
+    return list(params)
+
+
+def _units_of(params) -> list:
     seen, out = set(), []
     for p in params:
         info = getattr(p, "_shardspeed_unit", None)
@@ -25,6 +29,18 @@ def _units_of(params) -> list:
     return out
 
 
+def _init_sharded(params) -> list:
+    """Parameters built under ``zero.Init`` that no engine has taken yet (sharded one by one), once each."""
+    from .init import init_shard_of
+
+    seen, out = set(), []
+    for p in params:
+        if init_shard_of(p) is not None and id(p) not in seen and getattr(p, "_shardspeed_unit", None) is None:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 @contextmanager
 def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
                        fwd_module=None, enabled: bool = True):
@@ -32,12 +48,28 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
 
     With ``modifier_rank`` set, that rank's edits are broadcast to every rank on exit and written into
     the shards and the fp32 master weights (so the optimizer continues from the edited values).
+    Parameters built under ``zero.Init`` and not yet in an engine are gathered one by one the same way.
     Parameters of stages 0-2 are always whole: the context then does nothing. Every rank must enter it.
     """
-    units = _units_of(params) if enabled else []
+    from .init import active_init, init_shard_of
+
+    params = _as_list(params) if enabled else []
+    units = _units_of(params)
+    loose = _init_sharded(params)
+    ctx = active_init()
+    if loose and ctx is not None:
+        ctx._flush()  # a live whole copy of one of them goes back into its shard first
     already = [u.state is UnitState.GATHERED for u, _ in units]
     for unit, manager in units:
         unit.gather(manager.comm)
+    saved = []
+    for p in loose:
+        saved.append(p.data)
+        with torch.no_grad():
+            info = init_shard_of(p)
+            assert info is not None
+            full = info.gather_full()
+            p.data = full.to(dtype=p.dtype, device=p.device) if p.data.numel() else full
     try:
         yield
     finally:
@@ -49,3 +81,12 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
                     manager.master.refresh_from_shard(unit.index)
             if not was_gathered:
                 unit.release()
+        for p, placeholder in zip(loose, saved):
+            info = init_shard_of(p)
+            assert info is not None
+            if modifier_rank is not None:
+                full = p.data.to(info.shard.dtype).contiguous()
+                if info.collectives is not None and info.world > 1:
+                    info.collectives.broadcast(full, modifier_rank)
+                info.write_full(full)
+            p.data = placeholder

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..dist.comms import Collectives
-from ..errors import DistributedError
+from ..errors import CheckpointError, DistributedError
 from .placement import DevicePlacement, ShardPlacement
 from .unit import ShardedParamUnit, UnitState
 
@@ -342,6 +342,10 @@ def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None
     for name, p in module.named_parameters():
         t = state_dict.get(prefix + name)
         if t is not None and t.numel() == 0 and getattr(p, "_shardspeed_unit", None) is not None:
+            from .init import SAVE_PRETRAINED_MESSAGE, _in_save_pretrained
+
+            if _in_save_pretrained():  # transformers would write the placeholders: refuse
+                raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
             warnings.warn(
                 "model.state_dict() at ZeRO stage 3 contains empty tensors: parameters are sharded across "
                 "ranks. Use engine.save_checkpoint(...) and `shardspeed consolidate`, "
