@@ -91,7 +91,7 @@ def _dist_cases(tmp: str):
     import torch.distributed as dist
     from transformers import GPT2LMHeadModel
 
-    from shardspeed.integrations.transformers import ShardspeedTrainer
+    from shardspeed.integrations.transformers import ShardspeedTrainer, save_pretrained
 
     rank = dist.get_rank()
     out: dict = {"world": dist.get_world_size()}
@@ -110,6 +110,9 @@ def _dist_cases(tmp: str):
                 out["save_mismatch"] = sorted(k for k, v in gathered.items() if not torch.equal(loaded[k], v))
                 out["save_missing"] = sorted(set(gathered) ^ set(loaded))
             out["other_rank_sd"] = gathered is None if rank else None
+            save_pretrained(trainer.engine, f"{tmp}/sp")  # the standalone function, for users' own loops
+            again = GPT2LMHeadModel.from_pretrained(f"{tmp}/sp").state_dict()
+            out["sp_equal"] = all(torch.equal(again[k], v) for k, v in loaded.items()) and again.keys() == loaded.keys()
             # placeholders at stage 3: the module itself is not whole (save_model gathered it)
             out["placeholders"] = trainer.engine._sharded_placeholders()
         del trainer
@@ -211,6 +214,7 @@ def test_save_model_round_trips_stage3(runs):
     results, _, tmp = runs
     assert results[0]["save_mismatch"] == [] and results[0]["save_missing"] == []
     assert results[1]["other_rank_sd"] is True
+    assert all(r["sp_equal"] for r in results)  # save_pretrained(engine, dir) writes the same model
     assert results[0]["placeholders"] is True
     assert os.path.isfile(os.path.join(tmp, "final", "model.safetensors"))
     assert os.path.isfile(os.path.join(tmp, "final", "config.json"))
@@ -299,3 +303,24 @@ def test_fill_auto_mismatch_and_path(tmp_path):
     filled = fill_auto(str(path), training_args=args)  # no model: hidden-size keys stay "auto"
     assert filled["train_micro_batch_size_per_gpu"] == 4
     assert filled["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
+def test_example_finetune_hf(tmp_path):
+    """examples/finetune_hf.py, shortened, under `shardspeed run --nproc 2` (ZeRO-3, save_model, from_pretrained)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "shardspeed.cli", "run", "--nproc", "2", "examples/finetune_hf.py", "--steps", "4",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "31", "--max-bytes", "50000",
+           "--save-steps", "2", "--eval-samples", "8", "--output-dir", str(tmp_path / "out")]
+    env = dict(os.environ, PYTHONPATH=root, DS_ACCELERATOR="cpu")
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"examples/finetune_hf.py did not finish within 150 s:\n{exc.stderr}")
+    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, report
+    assert "ZeRO-3 on 2 process(es): 4 steps" in proc.stdout, report
+    assert "reloaded with from_pretrained" in proc.stdout, report
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-2", "checkpoint-4", "final"], report
