@@ -39,6 +39,18 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
     return out
 
 
+def gathered_state_dict(engine, exclude_frozen_parameters: bool = False, op: str = "_zero3_consolidated_16bit_state_dict"):
+    """The module's full state dict (training dtype, CPU) on rank 0, None on the others; every rank calls it."""
+    view = EngineView(engine, op)
+    sd = _gathered_state_dict(view)
+    if view.rank != 0:
+        return None
+    if exclude_frozen_parameters:
+        frozen = {n for n, prm in view.module.named_parameters(remove_duplicate=False) if not prm.requires_grad}
+        sd = {k: v for k, v in sd.items() if k not in frozen}
+    return sd
+
+
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     view = EngineView(engine, "save_16bit_model")

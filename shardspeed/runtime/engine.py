@@ -280,8 +280,11 @@ class Engine(nn.Module):
             args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Scale the loss (fp16) and divide it by the accumulation steps, then run autograd.
+
+        ``scale_wrt_gas=False`` (DeepSpeed's keyword; the Hugging Face Trainer passes it, having scaled the
+        loss itself) skips the division by the accumulation steps.
 
         The reduction needs nothing from here: gradient hooks and an end-of-backward callback reduce the
         gradients of any backward (see :class:`~shardspeed.zero.reducer.GradientReducer`), so a plain
@@ -293,7 +296,7 @@ class Engine(nn.Module):
         self._last_loss = loss.detach()  # converted only when printed: no host sync per micro-step
         if self._p.monitor is not None:
             self._p.monitor.add_loss(loss)
-        gas = self._p.gradient_accumulation_steps
+        gas = self._p.gradient_accumulation_steps if scale_wrt_gas else 1
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
         with self._timers("backward"), self._flops_scope("backward"):
             scaled.backward(retain_graph=retain_graph)
@@ -390,6 +393,14 @@ class Engine(nn.Module):
         from ..checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The module's full state dict in the training dtype, on the CPU, on rank 0; None on the other ranks
+        (DeepSpeedEngine's method, which accelerate's ``get_state_dict`` and the Hugging Face Trainer call).
+        Every rank must call it: at stage 3 the units are gathered one at a time. Works at every stage."""
+        from ..checkpoint.export import gathered_state_dict
+
+        return gathered_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
     # ---- reporting -------------------------------------------------------------------------------------
     def _maybe_print(self) -> None:
