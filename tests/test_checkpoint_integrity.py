@@ -289,6 +289,7 @@ def _failing_saves(root: str):
                 real_st, real_synced, real_commit
         dist.barrier()
         out[case + "_left"] = sorted(os.listdir(root))
+        dist.barrier()  # every rank has listed before rank 0 starts the next case's save
     if os.geteuid() != 0:  # a read-only directory (root ignores the mode): fails before anything is written
         if rank == 0:
             os.chmod(root, 0o555)
