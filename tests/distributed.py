@@ -106,3 +106,24 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
         rank, tb = errors[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     return [out.get(r) for r in range(world_size)]
+
+
+def one_and_two_rank_fixtures(fn: Callable, timeout: float = 300.0):
+    """Pytest fixtures for tests that check a part alone on a 1-rank and a 2-rank group: ``world1`` and
+    ``world2`` (each rank's return value of ``fn``, run once per module) and ``ranks`` (each of the two in
+    turn). Use as ``world1, world2, ranks = one_and_two_rank_fixtures(_run)`` at module level."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def world2():
+        return run_distributed(fn, 2, timeout=timeout)
+
+    @pytest.fixture(scope="module")
+    def world1():
+        return run_distributed(fn, 1, timeout=timeout)
+
+    @pytest.fixture(params=["world1", "world2"])
+    def ranks(request):
+        return request.getfixturevalue(request.param)
+
+    return world1, world2, ranks

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import one_and_two_rank_fixtures
 from torch import nn
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -181,19 +181,7 @@ def _bf16_grads(world):
     return [t / world for t in total]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_run, 2, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return run_distributed(_run, 1, timeout=300)
-
-
-@pytest.fixture(params=["world1", "world2"])
-def ranks(request):
-    return request.getfixturevalue(request.param)
+world1, world2, ranks = one_and_two_rank_fixtures(_run)  # fixtures: a 1-rank run, a 2-rank run, each of them
 
 
 def test_adamw_step_equals_torch_adamw_on_full_params(ranks):

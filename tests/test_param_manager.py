@@ -19,9 +19,8 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
-import pytest
 import torch
-from distributed import run_distributed
+from distributed import one_and_two_rank_fixtures
 from torch import nn
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -205,19 +204,7 @@ def _run():
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_run, 2, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return run_distributed(_run, 1, timeout=300)
-
-
-@pytest.fixture(params=["world1", "world2"])
-def ranks(request):
-    return request.getfixturevalue(request.param)
+world1, world2, ranks = one_and_two_rank_fixtures(_run)  # fixtures: a 1-rank run, a 2-rank run, each of them
 
 
 SH, GA = "sharded", "gathered"

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
-from distributed import run_distributed
+from distributed import one_and_two_rank_fixtures
 from torch import nn
 
 
@@ -122,19 +121,7 @@ def _run():
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_run, 2, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return run_distributed(_run, 1, timeout=300)
-
-
-@pytest.fixture(params=["world1", "world2"])
-def ranks(request):
-    return request.getfixturevalue(request.param)
+world1, world2, ranks = one_and_two_rank_fixtures(_run)  # fixtures: a 1-rank run, a 2-rank run, each of them
 
 
 def test_flat_unit_params_are_views_of_full_with_their_values(ranks):
