@@ -52,7 +52,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.harness import _ctx, _free_port, proc_status_kb, reset_peak_rss  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    _ctx,
+    _free_port,
+    init_gloo,
+    proc_status_kb,
+    reset_peak_rss,
+    worker_setup,
+)
 from benchmarks.models import MODELS  # noqa: E402
 
 MiB = 2**20
@@ -152,22 +159,12 @@ def _phased(sysobj):
 
 def _worker(system: str, model_name: str, rank: int, world: int, port: int, steps: int, sample_ms: float,
             res_q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
+    worker_setup(rank, world, port, threads=1)
     try:
-        import datetime
-        import logging
-        import warnings
-
         import torch
         import torch.distributed as dist
 
-        logging.disable(logging.WARNING)
-        warnings.filterwarnings("ignore")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        init_gloo(rank, world)
         # import everything any system needs, in every system, so the baseline is the same for all
         import torch.distributed.fsdp  # noqa: F401
 

@@ -126,26 +126,40 @@ class CommCounter:
 # ---- the worker ------------------------------------------------------------------------------------------
 
 
-def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, port: int, cmd_q, res_q,
-            total_steps: int, threads: int) -> None:
+def worker_setup(rank: int, world: int, port: int, threads: int) -> None:
+    """A benchmark worker's start: torchrun's variables, quiet logs, ``threads`` intra-op threads."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    try:
-        import datetime
-        import logging
-        import warnings
+    import logging
+    import warnings
 
-        import torch
+    import torch
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+
+
+def init_gloo(rank: int, world: int) -> None:
+    """The worker's gloo process group (generous timeout: a loaded box is slow, not dead)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+
+
+def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, port: int, cmd_q, res_q,
+            total_steps: int, threads: int) -> None:
+    worker_setup(rank, world, port, threads)
+    try:
         import torch.distributed as dist
 
-        logging.disable(logging.WARNING)
-        warnings.filterwarnings("ignore")
-        torch.set_num_threads(threads)
         counter = CommCounter()
         counter.install()  # before DeepSpeed is imported: it keeps references to some collectives
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        init_gloo(rank, world)
         from benchmarks.models import MODELS, build_model, make_batch, num_params
         from benchmarks.systems import Skip, build_system
 
