@@ -170,11 +170,8 @@ class ParamManager:
             return []
         try:
             pos = order.index(index, self._pos[self._phase])
-        except ValueError:  # out of the traced order (interleaved micro-batches): look from the start
-            try:
-                pos = order.index(index)
-            except ValueError:
-                return []
+        except ValueError:  # a use past its traced position (a tied weight used again): prefetch nothing
+            return []  # (each forward and each backward starts its position at 0 again)
         self._pos[self._phase] = pos
         live = sum(u.numel for u in self.units if u.state is UnitState.GATHERED or u.gathering)
         live += sum(self.units[i].numel for i in starting)
