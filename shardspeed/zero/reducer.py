@@ -35,6 +35,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 
 from ..dist.comms import Collectives, CommHandle
+from ..errors import ShardspeedError
 from .unit import FlatParamUnit
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ class GradientReducer:
         self.max_in_flight = max_in_flight
         self.on_unit_ready = on_unit_ready
         self._sync_policy: Callable[[], bool] = lambda: True
-        self._end_callbacks: List[Callable[[], None]] = []
         #: wraps the end-of-backward launch-and-wait (the engine times it as backward_allreduce)
         self.epilogue_timer: Callable[[], ContextManager] = nullcontext
         self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
@@ -131,14 +131,6 @@ class GradientReducer:
         backward ends with a reduction (the accumulation boundary, outside ``no_sync``). Stages 2-3 reduce
         every backward regardless. Default: always."""
         self._sync_policy = reduce_this_micro_step
-
-    def add_end_of_backward_callback(self, fn: Callable[[], None]) -> None:
-        """``fn()`` runs after each backward that produced gradients, once its reductions are done."""
-        self._end_callbacks.append(fn)
-
-    @property
-    def in_backward(self) -> bool:
-        return self._in_backward
 
     # ---- the backward pass -------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -275,19 +267,16 @@ class GradientReducer:
                 self._launch_all_and_wait()
             if not self._order_learned:
                 self._learn_order()
-        for fn in self._end_callbacks:
-            fn()
 
-    def reduce_pending(self, params: Sequence[torch.Tensor] = ()) -> None:
+    def reduce_pending(self) -> None:
         """Before the optimizer step: take in ``.grad`` that no hook saw (assigned by hand) from the
         trainable parameters, reduce every unit that holds gradients not reduced yet, and check that some
         gradient arrived since the last step (a step on zeros is an error, never silent)."""
-        for p in params or [u.params[pi] for u in self.units for pi in u.grad_params]:
-            if p.grad is not None and id(p) in self._where:
-                self._absorb(p)
+        for u in self.units:
+            for pi in u.grad_params:
+                if u.params[pi].grad is not None:
+                    self._absorb(u.params[pi])
         if not self._arrived:
-            from ..errors import ShardspeedError
-
             raise ShardspeedError(
                 "step() found no gradients: no backward pass reached the model's parameters since the last "
                 "step. Call engine.backward(loss) (or loss.backward()) before engine.step()."
