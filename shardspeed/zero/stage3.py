@@ -110,7 +110,6 @@ class ParamManager:
         self._in_backward = False
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
-        self.check_order = True  # agree on each gather across ranks (see _agree)
         self._hooks = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
         self._root = root
@@ -135,7 +134,7 @@ class ParamManager:
                     continue
                 u = unit_of[id(mp)]
                 owner = root_of_unit[u.index]
-                if m is owner or any(m is d for d in owner.modules()):
+                if _within(m, owner):
                     continue
                 if u.index not in needs.setdefault(m, []):
                     needs[m].append(u.index)
@@ -192,7 +191,7 @@ class ParamManager:
         all-reduce (a host sync point). Ranks whose forward or backward took different modules (rank-
         dependent control flow) would otherwise issue mismatched collectives, which gloo answers with an
         abort and NCCL with a hang; here every rank raises a DistributedError naming the modules instead."""
-        if self.comm.world == 1 or not self.check_order:
+        if self.comm.world == 1:
             return
         fp = 0
         for i in starting:  # a fingerprint of the sequence, in 62 bits
@@ -202,11 +201,11 @@ class ParamManager:
         if int(t[0]) == fp and int(t[1]) == -fp:
             return
         lo, hi = -int(t[3]), int(t[2])
+        other = hi if hi != needed else lo
         raise DistributedError(
             f"ZeRO stage 3: ranks diverged in the {self._phase}: this rank (data-parallel rank "
             f"{self.comm.topology.dp_rank}) needs the parameters of {self._module_name(needed)} (unit {needed}) "
-            f"while other ranks need unit {hi if hi != needed else lo} ({self._module_name(hi if hi != needed else lo)})"
-            f". Stage 3 gathers parameters collectively, so every rank must run the same modules in the same "
+            f"while other ranks need unit {other} ({self._module_name(other)}). Stage 3 gathers parameters collectively, so every rank must run the same modules in the same "
             f"order; rank-dependent control flow (a module skipped on some ranks) needs stage 0-2, or make the "
             f"choice the same on every rank (e.g. decide it on rank 0 and broadcast it)."
         )
@@ -229,7 +228,7 @@ class ParamManager:
         ``reshard_after_forward=False``: fewer all-gathers for a pipeline stage, at the cost of holding its
         parameters whole). ``True`` restores per-use gathering."""
         chosen = {u.index for u, m in zip(self.units, self._owners)
-                  if modules is None or any(m is x or any(m is d for d in x.modules()) for x in modules)}
+                  if modules is None or any(_within(m, x) for x in modules)}
         if reshard:
             self._keep -= chosen
             for i in chosen:
@@ -351,6 +350,11 @@ def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None
                 stacklevel=3,
             )
             return
+
+
+def _within(module: nn.Module, ancestor: nn.Module) -> bool:
+    """``module`` is ``ancestor`` or one of its submodules."""
+    return any(module is d for d in ancestor.modules())
 
 
 def _flatten_tensors(obj) -> List[torch.Tensor]:
