@@ -41,7 +41,6 @@ import gc
 import importlib
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from benchmarks.harness import (  # noqa: E402
     _ctx,
     _free_port,
     init_gloo,
+    next_result,
     proc_status_kb,
     reset_peak_rss,
     worker_setup,
@@ -256,15 +256,7 @@ class Group:
         try:
             deadline = time.monotonic() + timeout
             while len(got) < self.world:
-                try:
-                    rank, kind, payload = self.res_q.get(timeout=5)
-                except queue.Empty:
-                    dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})") from None
-                    continue
-                if kind == "error":
-                    raise RuntimeError(f"{self.system} rank {rank} failed:\n{payload}")
+                rank, _, payload = next_result(self.res_q, self.procs, self.system, deadline)
                 got[rank] = payload
             for p in self.procs:
                 p.join(timeout=60)

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,6 +124,22 @@ class CommCounter:
 
 
 # ---- the worker ------------------------------------------------------------------------------------------
+
+
+def next_result(res_q, procs, system: str, deadline: float) -> Tuple[int, str, Any]:
+    """The next ``(rank, kind, payload)`` a worker reported; a RuntimeError when a worker reported an error,
+    died, or nothing came before ``deadline`` (time.monotonic())."""
+    while True:
+        try:
+            rank, kind, payload = res_q.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"{system}: workers died or timed out (exit codes {dead})") from None
+            continue
+        if kind == "error":
+            raise RuntimeError(f"{system} rank {rank} failed:\n{payload}")
+        return rank, kind, payload
 
 
 def worker_setup(rank: int, world: int, port: int, threads: int) -> None:
@@ -286,15 +302,7 @@ class SystemGroup:
         out: Dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(out) < self.world:
-            try:
-                rank, kind, payload = self.res_q.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            except queue.Empty:
-                dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.system}: workers died or timed out (exit codes {dead})") from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"{self.system} rank {rank} failed:\n{payload}")
+            rank, kind, payload = next_result(self.res_q, self.procs, self.system, deadline)
             if kind == "skip":
                 self.status, self.message = "skipped", payload
                 return []
