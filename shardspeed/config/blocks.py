@@ -176,13 +176,20 @@ class AioConfig(ConfigModel):
 
 
 class PipelineConfig(ConfigModel):
-    """`pipeline`: pipeline-parallel engine options. Only `stages` is read today (it sizes the mesh's pipe
-    dimension); pipeline parallelism itself is not implemented yet, so more than 1 stage is refused when
-    an engine is built."""
+    """`pipeline`: pipeline-parallel engine options, read when the model is a `shardspeed.pipe.PipelineModule`
+    (its `num_stages` sizes the mesh's pipe dimension). `schedule` and `virtual_stages` are shardspeed
+    extensions: which `torch.distributed.pipelining` schedule runs a step."""
 
     stages: Union[Literal["auto"], int] = field(
-        "auto", "Number of pipeline stages: the size of the mesh's pipe dimension (\"auto\": 1 here, as no "
-        "pipeline module gives one).", auto="keep")
+        "auto", "Number of pipeline stages: the size of the mesh's pipe dimension (\"auto\": the "
+        "PipelineModule's num_stages, 1 for other models).", auto="keep")
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"] = field(
+        "1f1b", "shardspeed extension: the pipeline schedule (torch.distributed.pipelining): \"1f1b\" "
+        "(DeepSpeed's), \"gpipe\", \"interleaved_1f1b\" (virtual_stages chunks per rank), \"zbv\" and "
+        "\"dualpipev\" (zero-bubble V schedules, 2 chunks per rank).")
+    virtual_stages: Union[Literal["auto"], int] = field(
+        "auto", "shardspeed extension: stages each pipe rank runs (\"auto\": 2 for zbv and dualpipev, 2 for "
+        "interleaved_1f1b, else 1).", auto="keep")
     partition: str = field("best", "How layers are split across stages: \"best\", \"parameters\", "
                            "\"uniform\", \"type:<regex>\".")
     seed_layers: bool = field(False, "Seed each layer's initialisation by its index.")
@@ -194,16 +201,24 @@ class PipelineConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _check_stages(cls, data: Any) -> Any:
-        value = data.get("stages", "auto") if isinstance(data, dict) else "auto"
-        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise PydanticCustomError("stages", "'{key}' = {value} is invalid: it must be \"auto\" or an integer "
-                                      ">= 1", {"key": "stages", "value": json.dumps(value)})
+        for key in ("stages", "virtual_stages"):
+            value = data.get(key, "auto") if isinstance(data, dict) else "auto"
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PydanticCustomError(key, "'{key}' = {value} is invalid: it must be \"auto\" or an integer "
+                                          ">= 1", {"key": key, "value": json.dumps(value)})
         return data
 
     @property
     def num_stages(self) -> int:
         """The pipe dimension's size: `stages`, with "auto" meaning 1."""
         return 1 if self.stages == "auto" else int(self.stages)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """`virtual_stages` with "auto" resolved for the schedule."""
+        if self.virtual_stages != "auto":
+            return int(self.virtual_stages)
+        return 2 if self.schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
 
 
 _TP_LAYERS = ("tensor-parallel layers are not implemented yet (only autotp_size, which sizes the mesh's "

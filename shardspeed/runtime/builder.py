@@ -1,9 +1,10 @@
 """The one place that reads the config and decides which runtime parts to assemble."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,10 @@ from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..pipe.engine import PipelineEngine
+from ..pipe.module import PipelineModule
+from ..pipe.plan import pipeline_stages, plan_pipeline
+from ..pipe.ties import TiedGradients, build_tie_groups
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
 from ..zero.layout import group_by_size
@@ -61,12 +66,20 @@ def _trainable_in_grad_order(module: nn.Module, groups: List[dict]) -> Tuple[Lis
     return ordered, group_of
 
 
-def _build_units(params: List[nn.Parameter], bucket_elems: int, world: int, rank: int) -> List[FlatParamUnit]:
+def _build_units(params: List[nn.Parameter], bucket_elems: int, world: int, rank: int,
+                 alone: Sequence[nn.Parameter] = ()) -> List[FlatParamUnit]:
+    """Units of at most ``bucket_elems`` elements, one dtype each; each parameter of ``alone`` in a unit of
+    its own."""
     units: List[FlatParamUnit] = []
+    single = {id(p) for p in alone}
+    for p in params:
+        if id(p) in single:
+            units.append(FlatParamUnit([p], world=world, rank=rank, index=len(units)))
     # keep dtypes apart: one flat buffer has one dtype
     by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
+        if id(p) not in single:
+            by_dtype.setdefault(p.dtype, []).append(p)
     for plist in by_dtype.values():
         for idx in group_by_size([p.numel() for p in plist], bucket_elems):
             units.append(FlatParamUnit([plist[i] for i in idx], world=world, rank=rank, index=len(units)))
@@ -114,7 +127,7 @@ def build_engine(
     if dist_init_required is not False:
         init_distributed()
     cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
-    topo = _topology(cfg, mpu)
+    topo = _topology(cfg, mpu, model)
     cfg = load_config(cfg, world_size=topo.dp_size)
     zero = cfg.zero_optimization
     stage = zero.stage
@@ -138,10 +151,16 @@ def build_engine(
             f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
             f"zero_optimization.stage 3; the config says stage {stage}"
         )
+    pipe_plan = None
+    if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
+        pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
+        model_parameters = _current_parameters(model, model_parameters)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
+    ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, comms_logger) \
+        if pipe_plan is not None else []
     _broadcast_module_state(model, collectives)
     comms_logger.reset()
 
@@ -153,6 +172,8 @@ def build_engine(
         stage, overlap=bool(zero.overlap_comm), reduce_scatter=bool(zero.reduce_scatter), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
         predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
     )
+    if pipe_plan is not None:  # a schedule's micro-batches accumulate locally; one reduction at the boundary
+        policy = dataclasses.replace(policy, every_micro_step=False)
     manager = None
     if stage == 3:
         units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank,
@@ -161,7 +182,8 @@ def build_engine(
                                   on_unit_ready=manager.on_unit_grads_ready)
     else:
         world = 1 if stage == 0 else topo.dp_size
-        units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0)
+        alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
+        units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0, alone)
         reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
     master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=_check_overflow(cfg))
     offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
@@ -191,7 +213,12 @@ def build_engine(
     )
     if cfg.memory_breakdown:
         parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
-    engine = Engine(parts)
+    engine: Engine
+    if pipe_plan is not None:
+        pipe_plan.tied = TiedGradients(ties, master.units, accum_dtype) if ties else None
+        engine = PipelineEngine(parts, pipe_plan)
+    else:
+        engine = Engine(parts)
     ds_groups.set_topology(topo)
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
@@ -213,9 +240,10 @@ def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topolo
                              param_numel=lambda p: sizes.get(id(p), p.numel()), device=topo.device)
 
 
-def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
-    """The mesh (pipe × data × model) from the config's sizes, or the groups of a user's mpu."""
-    stages, tp = cfg.pipeline.num_stages, cfg.tensor_parallel.size
+def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module) -> Topology:
+    """The mesh (pipe × data × model) from the config's sizes (a PipelineModule's num_stages for the pipe
+    dimension), or the groups of a user's mpu."""
+    stages, tp = pipeline_stages(cfg.pipeline, model), cfg.tensor_parallel.size
     if mpu is not None:
         topo = Topology.from_mpu(mpu)
         for key, want, got in (("pipeline.stages", stages, topo.pipe_size),
@@ -230,9 +258,22 @@ def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
                            topo.mp_size)
         return topo
     mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
-    if stages > 1:
-        raise ConfigError(f"pipeline.stages {stages}: pipeline parallelism is not implemented yet; use 1 or \"auto\"")
     return Topology.from_mesh(pipe=stages, model=tp)
+
+
+def _current_parameters(model: nn.Module, model_parameters: Optional[Iterable]) -> Optional[Iterable]:
+    """A PipelineModule rebuilt for its schedule has new parameters: a plain list of the old ones (taken
+    before initialize) is replaced by the module's trainable parameters."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    live = {id(p) for p in model.parameters()}
+    plain = [p for p in items if isinstance(p, torch.Tensor)]
+    if plain and len(plain) == len(items) and any(id(p) not in live for p in plain):
+        logger.info("model_parameters were taken before the pipeline stages were rebuilt for the schedule: "
+                    "training the module's trainable parameters instead")
+        return [p for p in model.parameters() if p.requires_grad]
+    return items
 
 
 def _monitor(cfg: ShardspeedConfig, collectives: Collectives, comms_logger: CommsLogger, topo: Topology):

@@ -1,0 +1,251 @@
+"""The pipeline engine: ``train_batch`` / ``eval_batch`` over torch's pipeline schedules, ZeRO inside a stage.
+
+One ``train_batch``: the first and last stages pull ``gradient_accumulation_steps`` micro-batches from
+the iterator (the middle ones pull nothing, as in DeepSpeed); every pipe rank exchanges one small record
+(how many micro-batches each reader got, their shapes and a checksum) so that disagreeing counts or
+inputs and labels taken from different micro-batches raise the same error on every rank instead of a
+hang; the schedule for those shapes runs (torch.distributed.pipelining, ``scale_grads=False``: the loss
+is multiplied by loss_scale / micro-batches here); gradients accumulate locally through the step and are
+reduced once at the boundary (``reduce_pending`` also takes in ``.grad`` that zero-bubble schedules
+assign directly); tied gradients are summed; then the ordinary optimizer step (global norm over pipe ×
+data × model, clipping, fp16 overflow).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..dist.comms import Collectives
+from ..errors import DistributedError, ShardspeedError
+from ..runtime.engine import Engine, EngineParts, _move_inputs
+from .module import PipelineModule
+from .schedules import ScheduleCache, StageChunk, build_schedule
+from .ties import TiedGradients
+
+logger = logging.getLogger("shardspeed")
+
+
+@dataclass
+class PipeParts:
+    """What the builder decided about the pipeline."""
+
+    schedule: str
+    virtual_stages: int
+    total_stages: int
+    stage_ids: List[int]
+    pipe_comm: Collectives  # over this rank's pipe group
+    last_stage_pipe_rank: int
+    tied: Optional[TiedGradients] = None
+    extras: dict = field(default_factory=dict)
+
+
+def _fingerprint(micro: Any) -> Tuple:
+    """Shapes, dtypes and a float64 checksum of a micro-batch's tensors (the same data gives the same)."""
+    out = []
+    for t in _tensors(micro):
+        out.append((tuple(t.shape), str(t.dtype), float(t.detach().double().sum()) if t.numel() else 0.0))
+    return tuple(out)
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _cat(items: List[Any]) -> Any:
+    """Concatenate micro-batches along dim 0 (the schedule splits them again)."""
+    first = items[0]
+    if torch.is_tensor(first):
+        return torch.cat(items, dim=0)
+    return tuple(torch.cat([it[i] for it in items], dim=0) for i in range(len(first)))
+
+
+class PipelineEngine(Engine):
+    """DeepSpeed's PipelineEngine interface: ``train_batch(data_iter)`` and ``eval_batch(data_iter)``;
+    ``forward``, ``backward`` and ``step`` raise."""
+
+    def __init__(self, parts: EngineParts, pipe: PipeParts):
+        super().__init__(parts)
+        self._pipe = pipe
+        module = parts.module
+        assert isinstance(module, PipelineModule)
+        self._chunks = [StageChunk(module, c, module.chunk_modules(c)) for c in range(module.num_chunks())]
+        self._train_cache = ScheduleCache(lambda m: self._make_schedule(m, train=True))
+        self._eval_cache = ScheduleCache(lambda m: self._make_schedule(m, train=False))
+        self._losses: List[torch.Tensor] = []
+        self._loss_factor = 1.0
+        self.set_reshard_after_forward(False)  # stage 3: a stage's units stay gathered for the whole step
+
+    # ---- DeepSpeed's pipeline properties -----------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self._pipe.total_stages // self._pipe.virtual_stages
+
+    @property
+    def stage_id(self) -> int:
+        return self._p.topology.pipe_rank
+
+    def is_first_stage(self) -> bool:
+        return 0 in self._pipe.stage_ids
+
+    def is_last_stage(self) -> bool:
+        return self._pipe.total_stages - 1 in self._pipe.stage_ids
+
+    # ---- what a pipeline engine refuses ------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise ShardspeedError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
+                              "engine.eval_batch(data_iter) instead of engine(...)")
+
+    def backward(self, *args, **kwargs):
+        raise ShardspeedError("a pipeline engine runs backward inside train_batch(data_iter); do not call "
+                              "engine.backward()")
+
+    def step(self, *args, **kwargs):
+        raise ShardspeedError("a pipeline engine steps inside train_batch(data_iter); do not call engine.step()")
+
+    def _reduce_this_micro_step(self) -> bool:
+        return False  # gradients accumulate through the schedule; reduce_pending reduces at the boundary
+
+    # ---- the schedule ------------------------------------------------------------------------------------
+    def _make_schedule(self, n_microbatches: int, train: bool):
+        return build_schedule(self._pipe.schedule, self._chunks, self._pipe.stage_ids, self._pipe.total_stages,
+                              n_microbatches, self._loss, self._pipe.pipe_comm.group, self.device)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss_fn = self.module.loss_fn
+        loss = output if loss_fn is None else loss_fn(output, target)
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ShardspeedError("the pipeline's loss must be a scalar tensor: give PipelineModule a loss_fn "
+                                  "returning one (or make the last layer return it)")
+        self._losses.append(loss.detach().float())
+        return loss * self._loss_factor if self._loss_factor != 1.0 else loss
+
+    # ---- loading micro-batches ---------------------------------------------------------------------------
+    def _reads_data(self) -> bool:
+        return self.is_first_stage() or self.is_last_stage()
+
+    def _load(self, data_iter: Optional[Iterator], m: int) -> Tuple[List[Any], Any]:
+        """This rank's micro-batches (empty on middle stages) and the step's agreed signature."""
+        micro: List[Any] = []
+        if self._reads_data():
+            if data_iter is None:
+                raise ShardspeedError("train_batch/eval_batch needs data_iter on the first and last pipeline "
+                                      "stages (or training_data= at initialize)")
+            for _ in range(m):
+                try:
+                    micro.append(next(data_iter))
+                except StopIteration:
+                    break
+        record = (self._reads_data(), len(micro), [_fingerprint(b) for b in micro])
+        seen = self._pipe.pipe_comm.all_gather_object(record, cause="every pipeline rank must call train_batch")
+        readers = [(r, n, fps) for r, (reads, n, fps) in enumerate(seen) if reads]
+        counts = {n for _, n, _ in readers}
+        if counts == {0}:
+            raise StopIteration
+        if counts != {m}:
+            got = ", ".join(f"pipe rank {r}: {n}" for r, n, _ in readers)
+            raise DistributedError(f"micro-batch counts disagree: a step needs {m} micro-batches (gradient "
+                                   f"accumulation steps) and the stages read {got}; give every first- and "
+                                   f"last-stage rank an iterator with as many batches")
+        for r, _, fps in readers[1:]:
+            for k, (a, b) in enumerate(zip(readers[0][2], fps)):
+                if a != b:
+                    raise DistributedError(
+                        f"micro-batch {k} differs between pipe rank {readers[0][0]} (which feeds the inputs) and "
+                        f"pipe rank {r} (labels): inputs and labels would come from different micro-batches. "
+                        f"Give the first and last stages iterators that yield the same batches in the same order")
+        for b in micro:
+            if not (isinstance(b, (tuple, list)) and len(b) == 2):
+                raise ShardspeedError("each item of data_iter must be an (inputs, labels) pair")
+        return micro, readers[0][2]
+
+    def _run(self, data_iter: Optional[Iterator], m: int, train: bool) -> Any:
+        micro, signature = self._load(data_iter, m)
+        shapes = tuple(tuple(x[:2] for x in fp) for fp in signature)
+        cache = self._train_cache if train else self._eval_cache
+        schedule = cache.get(shapes, m)
+        args: Tuple = ()
+        target = None
+        if micro:
+            micro = [_move_inputs(tuple(b), self.device, self._p.train_dtype) for b in micro]
+            if any(tuple(t.shape) != tuple(s.shape) for b in micro for t, s in zip(_tensors(b), _tensors(micro[0]))):
+                raise ShardspeedError("the micro-batches of one step must have the same shapes (sequence length "
+                                      "may change between steps, not within one)")
+            inputs = _cat([b[0] for b in micro])
+            labels = [b[1] for b in micro]
+            if self.is_first_stage():
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+            if self.is_last_stage() and self.module.loss_fn is not None:
+                if not torch.is_tensor(labels[0]):
+                    raise ShardspeedError("labels must be one tensor per micro-batch")
+                target = torch.cat(labels, dim=0)
+        self._losses = []
+        if train:
+            self._loss_factor = self._p.loss_scaler.scale / m
+            schedule.step(*args, target=target)
+        else:
+            self._loss_factor = 1.0
+            with torch.no_grad():
+                return schedule.eval(*args, target=target)
+        return None
+
+    # ---- DeepSpeed's pipeline API ----------------------------------------------------------------------
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of ``(inputs, labels)``;
+        returns the mean loss (over micro-batches and data-parallel ranks) on every rank."""
+        data_iter = self._default_iter(data_iter)
+        self.module.train()
+        m = self._p.gradient_accumulation_steps
+        with self._timers("forward"):  # forward and backward interleave inside the schedule
+            self._run(data_iter, m, train=True)
+        with self._timers("step"):
+            self._p.reducer.reduce_pending()
+            if self._pipe.tied is not None:
+                self._pipe.tied.all_reduce(self._p.reducer.grad_shard)
+            self._optimizer_step()
+        self.micro_steps += m
+        loss = self._mean_loss()
+        self._last_loss = loss
+        return loss
+
+    def eval_batch(self, data_iter: Optional[Iterator], return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None):
+        """Forward only over ``num_micro_batches`` (default: gradient accumulation steps) micro-batches;
+        returns the mean loss on every rank (and the last stage's logits with ``return_logits``)."""
+        if reduce_output not in ("avg", None):
+            raise ShardspeedError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self.module.eval()
+        m = int(num_micro_batches or self._p.gradient_accumulation_steps)
+        try:
+            outputs = self._run(data_iter, m, train=False)
+        finally:
+            self.module.train()
+        loss = self._mean_loss() if compute_loss else None
+        if return_logits:
+            return loss, outputs if self.is_last_stage() else None
+        return loss
+
+    def _default_iter(self, data_iter: Optional[Iterator]) -> Optional[Iterator]:
+        if data_iter is not None or self.training_dataloader is None:
+            return data_iter
+        if getattr(self, "_data_iterator", None) is None:
+            self._data_iterator = iter(self.training_dataloader)
+        return self._data_iterator
+
+    def _mean_loss(self) -> torch.Tensor:
+        """The step's mean loss on every rank: averaged on the last stage over micro-batches and the data
+        group, then broadcast over the pipe group."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and self._losses:
+            loss += torch.stack(self._losses).mean()
+            self._p.collectives.all_reduce(loss)
+            loss /= self._p.topology.dp_size
+        self._pipe.pipe_comm.broadcast(loss, self._pipe.last_stage_pipe_rank)
+        return loss
