@@ -1,9 +1,10 @@
 """The (pipe, data, model) device mesh, DeepSpeed's group names (`engine.mpu`, `shardspeed.utils.groups`),
 a user's Megatron-style `mpu=`, and one-line errors for meshes that do not fit the world.
 
-Training checks feed every data group its own batches (seeded by the group), so a data group that is
-wrongly the whole world averages the groups together and fails the comparison with the one-process
-reference (tests/models.py) of that group's batches; fp32 to 1e-5.
+Training checks feed the ranks of a model group the same batches (as tensor-parallel peers get) and
+compare every rank with the one-process reference (tests/models.py), fp32 to 1e-5: a data group that is
+wrongly the model group averages half the global batch, and a norm that counts a replica twice (or not
+at all) clips differently (CLIP binds).
 """
 from __future__ import annotations
 
@@ -27,15 +28,15 @@ def _config(stage: int, **extra) -> dict:
     }, **extra)
 
 
-def _group_batches(group: int):
-    """The batches data group ``group`` trains on (its own seed), global batch micro × gas × dp 2."""
-    return make_batches("mlp", STEPS, MICRO * GAS * 2, seed=1 + group)
+def _batches():
+    """The global batches (micro × gas × dp 2); the ranks of a model group see the same ones."""
+    return make_batches("mlp", STEPS, MICRO * GAS * 2, seed=1)
 
 
-def _train(engine, group: int, dp_rank: int):
-    """Train on data group ``group``'s batches as data rank ``dp_rank`` of 2; this rank's micro losses."""
+def _train(engine, dp_rank: int):
+    """Train as data rank ``dp_rank`` of 2; this rank's micro losses."""
     losses = []
-    for batch in _group_batches(group):
+    for batch in _batches():
         for k in range(GAS):
             x, y = micro_batch(batch, dp_rank, 2, k, GAS)
             loss = engine(x, y)
@@ -108,14 +109,15 @@ def _world4() -> dict:
 
     rank = dist.get_rank()
     out: dict = {"rank": rank}
-    # 1. data 2 × model 2 (tensor_parallel.autotp_size 2; the model dim holds replicas): stages 0 and 3
+    # 1. data 2 × model 2 (tensor_parallel.autotp_size 2; the model dim holds replicas, which see the same
+    #    batches as tensor-parallel peers do; the norm counts each parameter once): stages 0 and 3
     topologies = []
     for stage in (0, 3):
         engine, *_ = shardspeed.initialize(model=make_model("mlp"),
                                            config=_config(stage, tensor_parallel={"autotp_size": 2}))
         slice_, dp_rank = engine.mpu.get_tensor_model_parallel_rank(), engine.mpu.get_data_parallel_rank()
         out[f"mesh{stage}"] = {
-            "losses": _train(engine, slice_, dp_rank), "params": gathered_params(engine),
+            "losses": _train(engine, dp_rank), "params": gathered_params(engine),
             "dp": engine.dp_world_size, "batch": engine.train_batch_size(), "slice": slice_,
             "mpu": _group_report(lambda n, e=engine: getattr(e.mpu, n)),
             "groups": _group_report(lambda n: getattr(groups, n)),
@@ -125,7 +127,7 @@ def _world4() -> dict:
     # 2. a user's mpu (model-parallel size 2, data groups [0, 1] and [2, 3]) selects the data group
     mpu = UserMPU([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_config(2), mpu=mpu)
-    out["user"] = {"losses": _train(engine, rank // 2, rank % 2), "params": gathered_params(engine),
+    out["user"] = {"losses": _train(engine, rank % 2), "params": gathered_params(engine),
                    "dp": engine.dp_world_size, "same_mpu": engine.mpu is mpu,
                    "groups": (groups.get_data_parallel_rank(), groups.get_data_parallel_world_size(),
                               groups.get_data_parallel_group_ranks(), groups.get_model_parallel_world_size(),
@@ -155,25 +157,17 @@ def _world4() -> dict:
     return out
 
 
-def _ref(group: int) -> dict:
-    return reference_train("mlp", [b for b in _group_batches(group)], LR, CLIP)
-
-
-def _check_training(results, key, group_of, case):
-    refs = {g: _ref(g) for g in (0, 1)}
-    assert not torch.allclose(refs[0]["params"]["layers.0.weight"], refs[1]["params"]["layers.0.weight"]), \
-        "the two data groups' references must differ for the check to mean anything"
+def _check_training(results, key, case):
+    """Every rank's parameters, and the mean loss per step over ranks, equal the one-process reference's."""
+    ref = reference_train("mlp", _batches(), LR, CLIP)
     for r, res in enumerate(results):
-        got, ref = res[key], refs[group_of(r)]
-        assert got["dp"] == 2
+        assert res[key]["dp"] == 2
         for name, p in ref["params"].items():
-            torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-5,
+            torch.testing.assert_close(res[key]["params"][name], p, rtol=1e-5, atol=1e-5,
                                        msg=lambda m, r=r, name=name: f"{case} rank {r} param {name}: {m}")
-    for g in (0, 1):  # each group's global mean loss per step equals the reference's
-        members = [res[key]["losses"] for r, res in enumerate(results) if group_of(r) == g]
-        per_step = torch.tensor(members).view(len(members), STEPS, GAS).mean(dim=(0, 2))
-        torch.testing.assert_close(per_step, torch.tensor(refs[g]["losses"]), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, g=g: f"{case} group {g} losses: {m}")
+    per_step = torch.tensor([res[key]["losses"] for res in results]).view(len(results), STEPS, GAS).mean(dim=(0, 2))
+    torch.testing.assert_close(per_step, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{case} losses: {m}")
 
 
 def test_world4_mesh_mpu_and_errors():
@@ -181,7 +175,7 @@ def test_world4_mesh_mpu_and_errors():
     # mesh (pipe 1, data 2, model 2): global rank = data × 2 + model; data groups [0, 2] and [1, 3]
     for stage in (0, 3):
         key = f"mesh{stage}"
-        _check_training(results, key, lambda r: r % 2, f"data 2 × model 2, stage {stage}")
+        _check_training(results, key, f"data 2 × model 2, stage {stage}")
         for r, res in enumerate(results):
             d, m = divmod(r, 2)
             want = {"data": (d, 2, [m, m + 2]), "model": (m, 2, [2 * d, 2 * d + 1]),
@@ -192,7 +186,7 @@ def test_world4_mesh_mpu_and_errors():
             assert res[key]["batch"] == MICRO * GAS * 2 and res[key]["slice"] == m
     assert all(res["mesh_reused"] for res in results)
     # user mpu: data groups [0, 1] and [2, 3] (not the mesh's), model-parallel size 2
-    _check_training(results, "user", lambda r: r // 2, "user mpu, stage 2")
+    _check_training(results, "user", "user mpu, stage 2")
     for r, res in enumerate(results):
         assert res["user"]["same_mpu"]
         assert res["user"]["groups"] == (r % 2, 2, [2 * (r // 2), 2 * (r // 2) + 1], 2, r // 2)

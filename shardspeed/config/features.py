@@ -16,12 +16,11 @@ IMPLEMENTED_BLOCKS: Dict[str, str] = {
     "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
     "bf16": "bf16 training (runtime.builder: train dtype)",
     "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
-    # Issue 15, implemented on the monitor and flops-profiler branches (reconciled at merge).
-    "tensorboard": "issue 15: TensorBoard monitor (monitor work)",
-    "csv_monitor": "issue 15: CSV monitor (monitor work)",
-    "wandb": "issue 15: Weights & Biases monitor (monitor work)",
-    "comet": "issue 15: Comet monitor (monitor work)",
-    "flops_profiler": "issue 15: the flops profiler (profiler work)",
+    "tensorboard": "the TensorBoard monitor (monitor.tensorboard)",
+    "csv_monitor": "the CSV monitor (monitor.csv_monitor)",
+    "wandb": "the Weights & Biases monitor (monitor.wandb)",
+    "comet": "the Comet monitor (monitor.comet)",
+    "flops_profiler": "the step flops profiler (profiling.engine_profiler, runtime.builder._flops_profiler)",
 }
 
 __all__ = ["IMPLEMENTED_BLOCKS"]

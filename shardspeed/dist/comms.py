@@ -254,6 +254,20 @@ class Collectives:
         finally:
             self.log.finish(rec)
 
+    def all_reduce_model_parallel(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the model-parallel group (pipe × model: every rank holding part of this rank's
+        model replica), e.g. a squared gradient norm; nothing when that group has one rank. Logged; a sync
+        point."""
+        topo = self.topology
+        if topo.mp_size == 1:
+            return
+        rec = self.log.start("all_reduce", tensor, topo.mp_size)
+        try:
+            dist.all_reduce(tensor, group=topo.mp_group)
+        except RuntimeError as exc:
+            raise _explain(f"all_reduce({tensor.numel()} x {tensor.dtype}) over the model-parallel group", exc) from exc
+        self.log.finish(rec)
+
     def barrier(self, cause: Optional[str] = None) -> None:
         """Wait until every rank of the group arrives (logged with 0 bytes). ``cause``: what a failure most
         likely means, for the error message (e.g. "not every rank called save_checkpoint")."""

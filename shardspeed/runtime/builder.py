@@ -251,11 +251,6 @@ def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module) -> Topology:
             if want > 1 and want != got:
                 raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
                                   f"(the mpu decides the groups) or make them agree")
-        if topo.mp_size > 1 and cfg.gradient_clipping > 0:
-            logger.warning("mpu= has model-parallel size %d: the gradient norm (clipping, fp16 overflow) is taken "
-                           "over the data-parallel group only, which is right only while the model-parallel ranks hold "
-                           "replicas of the whole model",
-                           topo.mp_size)
         return topo
     mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
     return Topology.from_mesh(pipe=stages, model=tp)

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..dist.comms import Collectives
+from ..parallel.replicas import counts_in_norm
 from .layout import Piece
 from .reducer import GradientReducer
 from .unit import FlatParamUnit
@@ -95,6 +96,13 @@ class MasterWeights:
                 views.append(view)
                 groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
             self.piece_tensors.append(views)
+        model_rank = collectives.topology.model_rank
+        #: per unit, the (start, numel) of this rank's pieces whose parameter counts on another
+        #: model-parallel rank (:mod:`shardspeed.parallel.replicas`); left out of the global norm
+        self.norm_skips: List[List[Tuple[int, int]]] = [
+            [(pc.chunk_start, pc.numel) for pc in u.pieces if not counts_in_norm(u.params[pc.param_index], model_rank)]
+            for u in self.units
+        ]
         self.group_indices = sorted(groups)
         self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
 
@@ -126,15 +134,22 @@ class MasterWeights:
         return out
 
     def global_grad_norm(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        """L2 norm over all ranks' chunks (padding is zero), summed in fp32 wherever the chunks are. One
-        all-reduce when sharded; a sync point."""
+        """L2 norm over the whole model, each parameter once: this rank's chunks (padding is zero) less the
+        pieces another model-parallel rank counts, summed in fp32 over the data group when sharded, then over
+        the model-parallel group (pipe × model) when there is one. A sync point."""
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
-        for g in grads:
-            if g is not None:
-                g = g if g.dtype == torch.float32 else g.float()
-                sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
+        for g, skips in zip(grads, self.norm_skips):
+            if g is None:
+                continue
+            g = g if g.dtype == torch.float32 else g.float()
+            if skips:
+                g = g.clone()
+                for start, numel in skips:
+                    g[start : start + numel] = 0
+            sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
         if self.sharded:
             self.comm.all_reduce(sq)
+        self.comm.all_reduce_model_parallel(sq)
         return sq.sqrt()
 
     def grad_coefficient(self, grads: List[Optional[torch.Tensor]], loss_scale: float,
