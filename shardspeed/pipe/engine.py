@@ -123,7 +123,6 @@ class PipelineEngine(Engine):
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ShardspeedError("the pipeline's loss must be a scalar tensor: give PipelineModule a loss_fn "
                                   "returning one (or make the last layer return it)")
-        self._losses.append(loss.detach().float())
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     # ---- loading micro-batches ---------------------------------------------------------------------------
@@ -185,15 +184,17 @@ class PipelineEngine(Engine):
                 if not torch.is_tensor(labels[0]):
                     raise ShardspeedError("labels must be one tensor per micro-batch")
                 target = torch.cat(labels, dim=0)
-        self._losses = []
+        losses: List[torch.Tensor] = []  # the schedule's, one per micro-batch (its shape inference adds none)
+        outputs = None
         if train:
             self._loss_factor = self._p.loss_scaler.scale / m
-            schedule.step(*args, target=target)
+            schedule.step(*args, target=target, losses=losses)
         else:
             self._loss_factor = 1.0
             with torch.no_grad():
-                return schedule.eval(*args, target=target)
-        return None
+                outputs = schedule.eval(*args, target=target, losses=losses)
+        self._losses = [t.detach().float() / self._loss_factor for t in losses]
+        return outputs
 
     # ---- DeepSpeed's pipeline API ----------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
