@@ -209,7 +209,7 @@ def test_world4_mesh_mpu_and_errors():
     e = errors[0]
     assert e["stages3"] == "world 4 is not divisible by pipeline.stages 3 × tensor_parallel.autotp_size 1 = 3"
     assert e["tp3"] == "world 4 is not divisible by pipeline.stages 1 × tensor_parallel.autotp_size 3 = 3"
-    assert "pipeline.stages 2: pipeline parallelism is not implemented yet" in e["stages2"]
+    assert "pipeline.stages 2 needs a shardspeed.pipe.PipelineModule model" in e["stages2"]
     assert e["user_short"] == ("mpu: data-parallel size 2 × model-parallel size 1 = 2 ranks on rank 0, but the "
                                "world has 4")
     assert e["user_overlap"] == "mpu: data-parallel groups disagree: rank 0 is in [0, 1], rank 1 in [1, 2, 3]"

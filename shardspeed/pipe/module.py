@@ -255,7 +255,7 @@ class _TiedUse:
     def __call__(self, x: Any) -> Any:
         fn = self.forward_fn
         module = self.module
-        module.forward = types.MethodType(lambda self, inp: fn(self, inp), module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(lambda self, inp: fn(self, inp), module)
         try:
             return module(x)
         finally:

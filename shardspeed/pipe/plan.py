@@ -13,18 +13,22 @@ from .ties import sub_collectives
 
 
 def pipeline_stages(pcfg, model: nn.Module) -> int:
-    """The pipe dimension: a PipelineModule's ``num_stages`` (``pipeline.stages`` must agree when set);
-    ``pipeline.stages`` > 1 for another model is an error."""
+    """The pipe dimension: a PipelineModule's ``num_stages`` (``pipeline.stages`` must agree when set), else
+    ``pipeline.stages`` ("auto": 1)."""
     if isinstance(model, PipelineModule):
         if pcfg.stages != "auto" and int(pcfg.stages) != model.num_stages:
             raise ConfigError(f"pipeline.stages {pcfg.stages} disagrees with the PipelineModule's num_stages "
                               f"{model.num_stages}; remove pipeline.stages or make them agree")
         return model.num_stages
-    if pcfg.num_stages > 1:
-        raise ConfigError(f"pipeline.stages {pcfg.num_stages} needs a shardspeed.pipe.PipelineModule model (got "
-                          f"{type(model).__name__}); build the model as PipelineModule(layers=..., "
-                          f"num_stages={pcfg.num_stages}) or set pipeline.stages to 1")
-    return 1
+    return pcfg.num_stages
+
+
+def require_pipeline_module(stages: int, model: nn.Module) -> None:
+    """More than one stage needs a PipelineModule (the layers to cut into stages)."""
+    if stages > 1 and not isinstance(model, PipelineModule):
+        raise ConfigError(f"pipeline.stages {stages} needs a shardspeed.pipe.PipelineModule model (got "
+                          f"{type(model).__name__}); build it as PipelineModule(layers=..., num_stages={stages}) "
+                          f"or set pipeline.stages to 1")
 
 
 def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger) -> PipeParts:
@@ -41,6 +45,11 @@ def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger)
     total = p * v
     if model.stage_ids != stage_ids or len(model.parts) - 1 != total:
         model.assign_stages(total, stage_ids)
+    if not any(p.requires_grad for p in model.parameters()):
+        layers = [i for c in range(model.num_chunks()) for i in model.chunk_layers(c)]
+        raise ConfigError(f"pipeline stage(s) {stage_ids} (layers {layers}) hold no trainable parameters; give "
+                          f"every stage some (e.g. partition_method=\"uniform\" or \"type:<regex>\", or fold "
+                          f"parameter-free layers into their neighbours)")
     return PipeParts(schedule=name, virtual_stages=v, total_stages=total, stage_ids=stage_ids,
                      pipe_comm=sub_collectives(topo, topo.pipe_group, log),
                      last_stage_pipe_rank=rank_of_stage(total - 1, p, v, name))

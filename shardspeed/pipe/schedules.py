@@ -12,18 +12,16 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
 from ..errors import ConfigError
 
-#: config name -> (torch class, whether it takes a list of stages per rank)
-SCHEDULES: Dict[str, Tuple[type, bool]] = {
-    "1f1b": (Schedule1F1B, False),
-    "gpipe": (ScheduleGPipe, False),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
-    "zbv": (ScheduleZBVZeroBubble, True),
-    "dualpipev": (ScheduleDualPipeV, True),
+#: config name -> (torch class name in torch.distributed.pipelining, whether it takes a list of stages per rank)
+SCHEDULES: Dict[str, Tuple[str, bool]] = {
+    "1f1b": ("Schedule1F1B", False),
+    "gpipe": ("ScheduleGPipe", False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+    "zbv": ("ScheduleZBVZeroBubble", True),
+    "dualpipev": ("ScheduleDualPipeV", True),
 }
 
 
@@ -39,14 +37,19 @@ class StageChunk(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def forward(self, *args: Any) -> Any:
-        return self._root(*args, chunk=self.chunk)
+        root: nn.Module = self.__dict__["_root"]
+        return root(*args, chunk=self.chunk)
 
 
 def build_schedule(name: str, chunks: List[StageChunk], stage_ids: List[int], total_stages: int,
                    n_microbatches: int, loss_fn: Callable, group: Any, device: torch.device):
     """A torch schedule over fresh ``PipelineStage`` objects for this rank's chunks (``scale_grads=False``:
     the engine scales the loss itself). Bad micro-batch counts become a one-line ConfigError."""
-    cls, multi = SCHEDULES[name]
+    import torch.distributed.pipelining as pipelining  # seconds to import: only pipeline engines pay it
+
+    cls_name, multi = SCHEDULES[name]
+    cls = getattr(pipelining, cls_name)
+    PipelineStage = pipelining.PipelineStage
     stages = [PipelineStage(c, s, total_stages, device, group=group) for c, s in zip(chunks, stage_ids)]
     try:
         if multi:
@@ -64,7 +67,7 @@ class ScheduleCache:
     def __init__(self, make: Callable[[int], Any], size: int = 4):
         self._make = make
         self._size = size
-        self._cache: "OrderedDict[Any, Any]" = OrderedDict()
+        self._cache: OrderedDict[Any, Any] = OrderedDict()
 
     def get(self, key: Any, n_microbatches: int) -> Any:
         key = (key, n_microbatches)

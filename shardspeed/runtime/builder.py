@@ -19,7 +19,7 @@ from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..pipe.engine import PipelineEngine
 from ..pipe.module import PipelineModule
-from ..pipe.plan import pipeline_stages, plan_pipeline
+from ..pipe.plan import pipeline_stages, plan_pipeline, require_pipeline_module
 from ..pipe.ties import TiedGradients, build_tie_groups
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
@@ -160,7 +160,7 @@ def build_engine(
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
     ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, comms_logger) \
-        if pipe_plan is not None else []
+        if isinstance(model, PipelineModule) and pipe_plan is not None else []
     _broadcast_module_state(model, collectives)
     comms_logger.reset()
 
@@ -253,6 +253,7 @@ def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module) -> Topology:
                                   f"(the mpu decides the groups) or make them agree")
         return topo
     mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
+    require_pipeline_module(stages, model)
     return Topology.from_mesh(pipe=stages, model=tp)
 
 

@@ -1,0 +1,237 @@
+"""Pipeline parallelism (issue 11): partitions (pure), and parity of every schedule and ZeRO stage against a
+one-process plain-torch reference (fp32 1e-5 relative, 5 steps, clipping on; bf16 2e-2), tied layers,
+activation checkpointing, variable sequence length, and errors instead of hangs."""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_distributed
+from pipe_models import batches, build, config, reference, train
+
+from shardspeed.errors import ConfigError, DistributedError, ShardspeedError
+from shardspeed.pipe import LayerSpec, PipelineModule
+from shardspeed.pipe.partition import (
+    bubble_fraction,
+    partition_balanced,
+    partition_layers,
+    partition_uniform,
+    rank_of_stage,
+    stages_of_rank,
+)
+
+SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"]
+STEPS, LR, CLIP = 5, 1e-2, 0.5
+
+
+# ---- pure arithmetic --------------------------------------------------------------------------------
+def test_partition_uniform_matches_deepspeed():
+    assert partition_uniform(7, 3) == [0, 3, 5, 7]  # the first 7 % 3 stages take one more
+    assert partition_uniform(4, 4) == [0, 1, 2, 3, 4]
+
+
+def _brute_best(weights: List[int], parts: int) -> int:
+    n = len(weights)
+    best = None
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        b = [0, *cuts, n]
+        heaviest = max(sum(weights[b[i]:b[i + 1]]) for i in range(parts))
+        best = heaviest if best is None else min(best, heaviest)
+    return best
+
+
+@pytest.mark.parametrize("weights,parts", [([5, 1, 1, 1, 5, 2], 3), ([0, 0, 100], 2), ([3, 3, 3, 3], 4),
+                                           ([10, 0, 0, 1, 0, 9, 2], 3), ([1] * 9, 4), ([0, 7, 0, 7, 0], 2)])
+def test_partition_balanced_is_optimal_and_never_empty(weights, parts):
+    b = partition_balanced(weights, parts)
+    assert b[0] == 0 and b[-1] == len(weights) and len(b) == parts + 1
+    assert all(b[i] < b[i + 1] for i in range(parts)), b
+    assert max(sum(weights[b[i]:b[i + 1]]) for i in range(parts)) == _brute_best(weights, parts)
+
+
+def test_partition_methods_and_errors():
+    assert partition_layers("type:linear", [1, 0, 1, 0, 1, 0], ["Linear", "Tanh"] * 3, 3) == [0, 2, 4, 6]
+    with pytest.raises(ConfigError, match="no layers"):
+        partition_uniform(3, 4)
+    with pytest.raises(ConfigError, match="matches none"):
+        partition_layers("type:conv", [1, 1], ["Linear", "Linear"], 2)
+    with pytest.raises(ConfigError, match="partition_method"):
+        partition_layers("profile", [1, 1], ["Linear", "Linear"], 2)
+
+
+def test_stage_placement_and_theory():
+    assert [stages_of_rank(r, 4, 2, "interleaved_1f1b") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stages_of_rank(r, 4, 2, "zbv") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    for sched in ("interleaved_1f1b", "zbv", "1f1b"):
+        v = 1 if sched == "1f1b" else 2
+        for r in range(4):
+            assert all(rank_of_stage(s, 4, v, sched) == r for s in stages_of_rank(r, 4, v, sched))
+    with pytest.raises(ConfigError, match="virtual_stages"):
+        stages_of_rank(0, 2, 3, "dualpipev")
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+
+
+class Counted(nn.Linear):
+    built = 0
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        if self.weight.device.type != "meta":
+            Counted.built += 1
+
+
+def test_module_builds_only_its_stage_and_names_layers_globally():
+    Counted.built = 0
+    m = PipelineModule([LayerSpec(Counted, 4, 4) for _ in range(6)], num_stages=3, partition_method="uniform")
+    assert Counted.built == 2 and m.chunk_layers(0) == [0, 1]  # stage 0 of 3 (no process group: pipe rank 0)
+    assert sorted(n for n, _ in m.named_parameters()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    m.assign_stages(3, [2])
+    assert m.chunk_layers(0) == [4, 5] and {n.split(".")[0] for n, _ in m.named_parameters()} == {"4", "5"}
+    with pytest.raises(ConfigError, match="no layers"):
+        PipelineModule([nn.Linear(2, 2)], num_stages=2)
+
+
+# ---- world 2: PP=2, every schedule, ties, checkpointing, bf16, sequence length, errors ------------------
+def _engine(kind: str, gas: int, **cfg_kw):
+    import shardspeed
+
+    model_kw = cfg_kw.pop("model_kw", {})
+    engine, *_ = shardspeed.initialize(model=build(kind, 2, **model_kw), config=config(gas, **cfg_kw))
+    return engine
+
+
+def _expect(fn, exc, text: str) -> str:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"no {exc.__name__}")
+
+
+def _world2() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    out: Dict[str, object] = {}
+    for sched in SCHEDULES:
+        out[sched] = train(_engine("mlp", 4, schedule=sched), "mlp", STEPS, 4)
+    out["tied_1f1b"] = train(_engine("tied", 4), "tied", STEPS, 4, seqs=[8, 6, 8, 5])
+    out["tied_zbv"] = train(_engine("tied", 4, schedule="zbv"), "tied", STEPS, 4, seqs=[8, 6])
+    out["ckpt"] = train(_engine("mlp", 4, model_kw={"activation_checkpoint_interval": 2}), "mlp", STEPS, 4)
+    out["bf16"] = train(_engine("mlp", 4, bf16={"enabled": True}), "mlp", STEPS, 4)
+    engine = _engine("mlp", 2)
+    x, y = batches("mlp", 1, 4)[0]
+    errors = {
+        "forward": _expect(lambda: engine(x), ShardspeedError, "train_batch"),
+        "backward": _expect(lambda: engine.backward(x.sum()), ShardspeedError, "train_batch"),
+        "step": _expect(lambda: engine.step(), ShardspeedError, "train_batch"),
+    }
+    short = [(x[:2], y[:2])] * (2 if dist.get_rank() == 0 else 1)  # the last stage's iterator runs dry
+    errors["count"] = _expect(lambda: engine.train_batch(iter(short)), DistributedError, "micro-batch counts disagree")
+    k = dist.get_rank()  # the last stage's labels come from another micro-batch
+    skewed = [(x[2 * ((i + k) % 2): 2 * ((i + k) % 2) + 2], y[2 * ((i + k) % 2): 2 * ((i + k) % 2) + 2])
+              for i in range(2)]
+    errors["skew"] = _expect(lambda: engine.train_batch(iter(skewed)), DistributedError, "different micro-batches")
+    errors["divide"] = _expect(lambda: build("mlp", 3), ConfigError, "does not divide")
+    errors["empty"] = _expect(lambda: _engine("tied", 4, schedule="interleaved_1f1b",
+                                              pipeline={"schedule": "interleaved_1f1b", "virtual_stages": 3}),
+                              ConfigError, "no layers")
+    loss = engine.eval_batch(iter([(x[:2], y[:2])] * 2))
+    out["eval"] = float(loss)
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2, 2, timeout=300)
+
+
+def _close(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], tol: float) -> None:
+    """fp32: 1e-5 of the parameter's largest magnitude; 16-bit: 2e-2 relative and absolute, as test_parity."""
+    assert got, "no parameters"
+    for name, t in got.items():
+        r = ref[name]
+        if tol >= 1e-2:
+            torch.testing.assert_close(t, r, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+            continue
+        err = float((t - r).abs().max() / r.abs().max().clamp_min(1e-12))
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+
+
+def _check(results: List[dict], key: str, ref: dict, tol: float) -> None:
+    for rank_out in results:
+        got = rank_out[key]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=tol), key
+        _close(got["params"], ref["params"], tol)
+    names = set().union(*(set(r[key]["params"]) for r in results))
+    assert names == set(ref["params"]), f"{key}: the ranks together hold every parameter"
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_pp2_schedule_matches_reference(world2, sched):
+    _check(world2, sched, reference("mlp", batches("mlp", STEPS, 8), LR, CLIP), 1e-5)
+
+
+def test_pp2_tied_embeddings_and_variable_sequence_length(world2):
+    _check(world2, "tied_1f1b", reference("tied", batches("tied", STEPS, 8, [8, 6, 8, 5]), LR, CLIP), 1e-5)
+    _check(world2, "tied_zbv", reference("tied", batches("tied", STEPS, 8, [8, 6]), LR, CLIP), 1e-5)
+
+
+def test_pp2_activation_checkpointing(world2):
+    _check(world2, "ckpt", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP, checkpoint_interval=2), 1e-5)
+
+
+def test_pp2_bf16(world2):
+    _check(world2, "bf16", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP, dtype=torch.bfloat16), 2e-2)
+
+
+def test_pp2_errors_not_hangs(world2):
+    for rank_out in world2:
+        assert set(rank_out["errors"]) == {"forward", "backward", "step", "count", "skew", "divide", "empty"}
+    assert "pipe rank 0: 2, pipe rank 1: 1" in world2[0]["errors"]["count"]
+
+
+def test_pp2_eval_batch_returns_the_loss_everywhere(world2):
+    # the engine that saw only the failed steps is untouched: eval loss = the initial model's loss
+    x, y = batches("mlp", 1, 4)[0]
+    model = build("mlp", 1)
+    assert world2[0]["eval"] == pytest.approx(float(nn.functional.mse_loss(model(x[:2]), y[:2])), rel=1e-5)
+    assert world2[1]["eval"] == world2[0]["eval"]
+
+
+# ---- world 4: PP2 × DP2 at ZeRO 0-3, PP=4 with every schedule ------------------------------------------
+def _world4() -> Dict[str, object]:
+    import shardspeed
+
+    out: Dict[str, object] = {}
+    for stage in (0, 1, 2, 3):
+        out[f"dp2_z{stage}"] = train(_engine("tied", 2, stage=stage), "tied", STEPS, 2, seqs=[8, 6])
+    out["dp2_z3_zbv"] = train(_engine("mlp", 2, stage=3, schedule="zbv"), "mlp", STEPS, 2)
+    for sched in SCHEDULES:
+        engine, *_ = shardspeed.initialize(model=build("mlp8", 4), config=config(8, schedule=sched))
+        out[f"pp4_{sched}"] = train(engine, "mlp8", STEPS, 8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_world4, 4, timeout=400)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pp2_dp2_zero_stage_matches_reference(world4, stage):
+    _check(world4, f"dp2_z{stage}", reference("tied", batches("tied", STEPS, 8, [8, 6]), LR, CLIP), 1e-5)
+
+
+def test_pp2_dp2_zero3_zero_bubble(world4):
+    _check(world4, "dp2_z3_zbv", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP), 1e-5)
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_pp4_schedule_matches_reference(world4, sched):
+    _check(world4, f"pp4_{sched}", reference("mlp8", batches("mlp8", STEPS, 16), LR, CLIP), 1e-5)
