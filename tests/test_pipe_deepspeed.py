@@ -14,7 +14,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from pipe_models import batches, config, micro_batches
 
@@ -70,4 +69,4 @@ def test_same_losses_as_deepspeed_pipeline_engine(stage):
     results = run_distributed(_run, 2, stage, timeout=300)
     for r in results:
         assert r["shardspeed"] == pytest.approx(r["deepspeed"], rel=1e-5)
-        assert r["deepspeed"][-1] < r["deepspeed"][0]  # it trained
+        assert len(set(r["deepspeed"])) == STEPS  # the weights changed every step
