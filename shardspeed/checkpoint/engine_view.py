@@ -56,9 +56,11 @@ class EngineView:
         self.master = parts.master
         self.units = list(parts.master.units)
         self.optimizer = parts.master.optimizer
-        self.comm = parts.collectives
+        self.comm = parts.collectives  # the data-parallel group: gathers of sharded units
+        self.coord = parts.coordination or parts.collectives  # coordination: the group that writes one checkpoint
         self.rank = parts.rank
         self.world = parts.world
+        self.data_rank = parts.data_rank
         self.zero_stage = parts.zero_stage
         self.train_dtype = parts.train_dtype
         # the offload stores (offload_optimizer with Adam/AdamW: the tiled path), else None
@@ -71,6 +73,15 @@ class EngineView:
             if first != name:
                 self.aliases[name] = first
         self._in_units = {id(prm) for u in self.units for prm in u.params}
+        from ..parallel.replicas import counts_in_norm
+
+        # copies of parameters another rank saves (a tied layer on a later pipeline stage)
+        self._replicas = {id(prm) for prm in self.module.parameters() if not counts_in_norm(prm, 0)}
+        #: every rank's parameter and buffer names (a pipeline stage holds only its own layers)
+        self.model_names: Optional[set] = None
+        if parts.coordination is not None:
+            mine = [n for n, _ in self.module.named_parameters()] + [n for n, _ in self.buffers()]
+            self.model_names = set().union(*map(set, self.all_gather_object(mine)))
 
     # ---- offloaded optimizer state (offload_optimizer with Adam/AdamW: the tiled path) -----------------
     @property
@@ -104,13 +115,13 @@ class EngineView:
 
     # ---- coordination (small object collectives through Collectives: logged, errors named) -----------
     def barrier(self) -> None:
-        self.comm.barrier(cause=self.CAUSE)
+        self.coord.barrier(cause=self.CAUSE)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
-        return self.comm.all_gather_object(obj, cause=self.CAUSE)
+        return self.coord.all_gather_object(obj, cause=self.CAUSE)
 
     def broadcast_object(self, obj: Any) -> Any:
-        return self.comm.broadcast_object(obj, 0, cause=self.CAUSE)
+        return self.coord.broadcast_object(obj, 0, cause=self.CAUSE)
 
     def agree(self, error: Optional[str]) -> None:
         """Raise the same CheckpointError on every rank if any rank failed (so none waits in a collective)."""
@@ -168,8 +179,11 @@ class EngineView:
             unit.write_shard(views[0]._base if views[0]._base is not None else views[0])
 
     def writes_unit(self, unit) -> bool:
-        """Whether this rank saves the unit's pieces: every rank its own chunk when sharded, else rank 0."""
-        return unit.layout.world > 1 or self.rank == 0
+        """Whether this rank saves the unit's pieces: every rank its own chunk when sharded, else data rank 0;
+        never a unit of replicas (another stage saves those parameters)."""
+        if all(id(p) in self._replicas for p in unit.params):
+            return False
+        return unit.layout.world > 1 or self.data_rank == 0
 
     def other_params(self) -> List[Tuple[str, nn.Parameter]]:
         """Parameters outside the units (frozen, or in no optimizer group), held whole by every rank."""

@@ -30,7 +30,7 @@ def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> se
         current[name] = tuple(t.shape)
     saved = set(meta.tensors)
     missing = sorted(set(current) - saved)
-    unexpected = sorted(saved - set(current))
+    unexpected = sorted(saved - (view.model_names or set(current)))  # a pipeline: other stages' names too
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"the checkpoint does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -69,7 +70,7 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, Union[torch.Tensor, L
             key = f"w/{name}/{start}"
             items.append((key, t))
             entries.append(Entry(name, WEIGHT, start, end, file, key))
-    if view.rank == 0:
+    if view.data_rank == 0:  # held whole by every rank of the data group
         for name, t in view.other_params() + view.buffers():
             key = f"w/{name}/0"
             items.append((key, t.detach()))
@@ -185,6 +186,7 @@ def _save_into(view: EngineView, engine, save_dir: str, tmp: str, tag: str, clie
                 e.crc32 = written.tensor_crc32[e.key]
         record.update(file=rank_file(view.rank), bytes=written.bytes, crc32=written.crc32,
                       header_crc32=written.header_crc32,
+                      tensors={n: asdict(t) for n, t in _tensor_table(view).items()}, aliases=view.aliases,
                       entries=[e.to_json() for e in entries], groups=groups,
                       rng={"py": rng_py, "tensors": {k: written.tensor_crc32[k] for k, _ in rng_tensors}})
         del items
@@ -233,7 +235,8 @@ def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dic
             groups.setdefault(str(gi), hyper)
     meta = CheckpointMetadata(
         tag=tag, world_size=view.world, zero_stage=view.zero_stage, train_dtype=dtype_name(view.train_dtype),
-        tensors=_tensor_table(view), aliases=view.aliases,
+        tensors={n: TensorInfo(**t) for r in records for n, t in r["tensors"].items()},  # every stage's
+        aliases={a: t for r in records for a, t in r["aliases"].items()},
         entries=[Entry.from_json(e) for r in records for e in r["entries"]], files=files,
         optimizer={"class": type(view.optimizer).__name__, "param_groups": groups},
         rng={str(r["rank"]): r["rng"] for r in records},

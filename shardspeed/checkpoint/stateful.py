@@ -119,14 +119,24 @@ class CheckpointParts:
     rng: Stateful
     param_manager: Any = None  # stage 3: its after_step() drops gathered copies made stale by a load
     gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model may gather the units
+    #: a pipeline engine's whole world (every stage writes its own layers into one checkpoint): coordination
+    #: and file numbering; None: the data-parallel group's ``collectives`` (the whole model on every rank)
+    coordination: Optional[Collectives] = None
 
     @property
     def rank(self) -> int:
-        return self.collectives.topology.dp_rank
+        comm = self.coordination or self.collectives
+        return comm.topology.dp_rank
 
     @property
     def world(self) -> int:
-        return self.collectives.topology.dp_size
+        comm = self.coordination or self.collectives
+        return comm.topology.dp_size
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place in its data-parallel group: rank 0 of each group writes what is not sharded."""
+        return self.collectives.topology.dp_rank
 
 
 def as_stateful(obj: Any) -> Optional[Stateful]:

@@ -12,6 +12,7 @@ data × model, clipping, fp16 overflow).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Tuple
@@ -37,6 +38,7 @@ class PipeParts:
     total_stages: int
     stage_ids: List[int]
     pipe_comm: Collectives  # over this rank's pipe group
+    world_comm: Collectives  # over the world: checkpoints (every stage writes its layers)
     last_stage_pipe_rank: int
     tied: Optional[TiedGradients] = None
     extras: dict = field(default_factory=dict)
@@ -195,6 +197,11 @@ class PipelineEngine(Engine):
                 outputs = schedule.eval(*args, target=target, losses=losses)
         self._losses = [t.detach().float() / self._loss_factor for t in losses]
         return outputs
+
+    def checkpoint_parts(self):
+        """As the plain engine's, coordinated over the whole world: each stage writes its own layers, keyed by
+        global layer index and name, so a checkpoint loads at any pipeline layout (or none)."""
+        return dataclasses.replace(super().checkpoint_parts(), coordination=self._pipe.world_comm)
 
     # ---- DeepSpeed's pipeline API ----------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:

@@ -51,5 +51,5 @@ def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger)
                           f"every stage some (e.g. partition_method=\"uniform\" or \"type:<regex>\", or fold "
                           f"parameter-free layers into their neighbours)")
     return PipeParts(schedule=name, virtual_stages=v, total_stages=total, stage_ids=stage_ids,
-                     pipe_comm=sub_collectives(topo, topo.pipe_group, log),
+                     pipe_comm=sub_collectives(topo, topo.pipe_group, log), world_comm=sub_collectives(topo, None, log),
                      last_stage_pipe_rank=rank_of_stage(total - 1, p, v, name))
