@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_distributed
-from pipe_models import batches, build, config, reference, train
+from pipe_models import batches, build, config, micro_batches, mlp_specs, reference, train
 
 from shardspeed.errors import ConfigError, DistributedError, ShardspeedError
 from shardspeed.pipe import LayerSpec, PipelineModule
@@ -117,8 +117,6 @@ def _plain_steps(engine, data: List[tuple], gas: int) -> List[float]:
     """A plain (non-pipeline) engine over nn.Sequential of the same layers: engine(x), backward, step."""
     import torch.distributed as dist
 
-    from pipe_models import micro_batches
-
     dp, r = dist.get_world_size(), dist.get_rank()
     losses = []
     for b in data:
@@ -137,7 +135,6 @@ def _checkpoints(root: str) -> Dict[str, object]:
     """PP=2 trains 2 steps and saves; a plain engine (data-parallel 2, ZeRO 1) loads it, trains 2 steps and
     saves; PP=2 (ZeRO 0) loads that and trains the 5th step."""
     import shardspeed
-    from pipe_models import mlp_specs
 
     data = batches("mlp", STEPS, 8)
     losses = []
@@ -158,8 +155,6 @@ def _checkpoints(root: str) -> Dict[str, object]:
 
 
 def _micros(data: List[tuple], gas: int) -> List[List[tuple]]:
-    from pipe_models import micro_batches
-
     return [micro_batches(b, 0, 1, gas) for b in data]
 
 
