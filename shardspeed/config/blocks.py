@@ -191,12 +191,19 @@ class PipelineConfig(ConfigModel):
         "auto", "shardspeed extension: stages each pipe rank runs (\"auto\": 2 for zbv and dualpipev, 2 for "
         "interleaved_1f1b, else 1).", auto="keep")
     partition: str = field("best", "How layers are split across stages: \"best\", \"parameters\", "
-                           "\"uniform\", \"type:<regex>\".")
-    seed_layers: bool = field(False, "Seed each layer's initialisation by its index.")
-    activation_checkpoint_interval: int = field(0, "Checkpoint activations every N layers (0: off).", ge=0)
-    pipe_partitioned: bool = field(True, "Shard activations sent between stages across tensor-parallel ranks.")
-    grad_partitioned: bool = field(True, "Shard gradients sent between stages across tensor-parallel ranks.")
-    use_reentrant: bool = field(True, "Use torch's reentrant activation checkpointing.")
+                           "\"uniform\", \"type:<regex>\". As in DeepSpeed, PipelineModule(partition_method=) "
+                           "decides.", ignored=True)
+    seed_layers: bool = field(False, "Seed each layer's initialisation by its index. As in DeepSpeed, "
+                              "PipelineModule(seed_layers=) decides.", ignored=True)
+    activation_checkpoint_interval: int = field(0, "Checkpoint activations every N layers (0: off). As in "
+                                                "DeepSpeed, PipelineModule(activation_checkpoint_interval=) "
+                                                "decides.", ge=0, ignored=True)
+    pipe_partitioned: bool = field(True, "Shard activations sent between stages across tensor-parallel ranks "
+                                   "(communication volume only).", ignored=True)
+    grad_partitioned: bool = field(True, "Shard gradients sent between stages across tensor-parallel ranks "
+                                   "(communication volume only).", ignored=True)
+    use_reentrant: bool = field(True, "Use torch's reentrant activation checkpointing (PipelineModule uses "
+                                "torch's non-reentrant one unless given activation_checkpoint_func).", ignored=True)
 
     @model_validator(mode="before")
     @classmethod
