@@ -192,8 +192,13 @@ def _world2(root: str) -> Dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_distributed(_world2, 2, str(tmp_path_factory.mktemp("pipe_ckpt")), timeout=300)
+def ckpt_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pipe_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def world2(ckpt_root):
+    return run_distributed(_world2, 2, ckpt_root, timeout=300)
 
 
 def _close(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], tol: float) -> None:
@@ -240,6 +245,17 @@ def test_checkpoint_pp2_to_plain_engine_and_back(world2):
     as if never interrupted (optimizer state included)."""
     _check(world2, "ckpt_roundtrip", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP), 1e-5)
     assert world2[0]["ckpt_roundtrip"]["steps"] == STEPS
+
+
+def test_consolidate_pipeline_checkpoint(world2, ckpt_root, tmp_path):
+    """`consolidate` of the PP=2 checkpoint (saved after 2 steps) is the whole model's state dict."""
+    from shardspeed.checkpoint import consolidate, load_consolidated
+
+    consolidate(ckpt_root, str(tmp_path), tag="pp2")
+    got = load_consolidated(str(tmp_path))
+    ref = reference("mlp", batches("mlp", STEPS, 8)[:2], LR, CLIP)["params"]
+    assert set(got) == set(ref)
+    _close(got, ref, 1e-5)
 
 
 def test_pp2_errors_not_hangs(world2):
