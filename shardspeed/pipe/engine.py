@@ -220,6 +220,9 @@ class PipelineEngine(Engine):
         self.micro_steps += m
         loss = self._mean_loss()
         self._last_loss = loss
+        if self._p.monitor is not None:  # the step's mean loss (every rank has it), then the step's events
+            self._p.monitor.add_loss(loss)
+            self._p.monitor.after_step(self, self._timers)
         return loss
 
     def eval_batch(self, data_iter: Optional[Iterator], return_logits: bool = False, compute_loss: bool = True,
