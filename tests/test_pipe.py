@@ -168,6 +168,7 @@ def _world2(root: str) -> Dict[str, object]:
     out["tied_zbv"] = train(_engine("tied", 4, schedule="zbv"), "tied", STEPS, 4, seqs=[8, 6])
     out["ckpt"] = train(_engine("mlp", 4, model_kw={"activation_checkpoint_interval": 2}), "mlp", STEPS, 4)
     out["bf16"] = train(_engine("mlp", 4, bf16={"enabled": True}), "mlp", STEPS, 4)
+    out["fp16"] = train(_engine("mlp", 4, fp16={"enabled": True, "initial_scale_power": 8}), "mlp", STEPS, 4)
     engine = _engine("mlp", 2)
     x, y = batches("mlp", 1, 4)[0]
     errors = {
@@ -236,8 +237,9 @@ def test_pp2_activation_checkpointing(world2):
     _check(world2, "ckpt", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP, checkpoint_interval=2), 1e-5)
 
 
-def test_pp2_bf16(world2):
+def test_pp2_bf16_and_fp16(world2):
     _check(world2, "bf16", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP, dtype=torch.bfloat16), 2e-2)
+    _check(world2, "fp16", reference("mlp", batches("mlp", STEPS, 8), LR, CLIP, dtype=torch.float16), 2e-2)
 
 
 def test_checkpoint_pp2_to_plain_engine_and_back(world2):
@@ -273,10 +275,16 @@ def test_pp2_eval_batch_returns_the_loss_everywhere(world2):
 
 
 # ---- world 4: PP2 × DP2 at ZeRO 0-3, PP=4 with every schedule ------------------------------------------
-def _world4() -> Dict[str, object]:
+def _world4(root: str) -> Dict[str, object]:
     import shardspeed
 
-    out: Dict[str, object] = {}
+    engine, *_ = shardspeed.initialize(model=build("mlp", 4), config=config(4))
+    engine.load_checkpoint(root, tag="pp2")  # saved by PP=2 after 2 steps (world2's _checkpoints)
+    data = batches("mlp", STEPS, 8)[2:]
+    out: Dict[str, object] = {"pp4_from_pp2": {"losses": [float(engine.train_batch(iter(micro_batches(b, 0, 1, 4))))
+                                                         for b in data],
+                                              "params": {n: p.detach().float().clone()
+                                                         for n, p in engine.module.named_parameters()}}}
     for stage in (0, 1, 2, 3):
         out[f"dp2_z{stage}"] = train(_engine("tied", 2, stage=stage), "tied", STEPS, 2, seqs=[8, 6])
     out["dp2_z3_zbv"] = train(_engine("mlp", 2, stage=3, schedule="zbv"), "mlp", STEPS, 2)
@@ -287,8 +295,13 @@ def _world4() -> Dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_distributed(_world4, 4, timeout=400)
+def world4(world2, ckpt_root):  # after world2: it loads the checkpoint world2 saved
+    return run_distributed(_world4, 4, ckpt_root, timeout=400)
+
+
+def test_checkpoint_pp2_loads_at_pp4(world4):
+    ref = reference("mlp", batches("mlp", STEPS, 8), LR, CLIP)
+    _check(world4, "pp4_from_pp2", {"losses": ref["losses"][2:], "params": ref["params"]}, 1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
