@@ -21,7 +21,7 @@ import torch
 
 from ..dist.comms import Collectives
 from ..errors import DistributedError, ShardspeedError
-from ..runtime.engine import Engine, EngineParts, _move_inputs
+from ..runtime.engine import Engine, EngineParts, move_inputs
 from .module import PipelineModule
 from .schedules import ScheduleCache, StageChunk, build_schedule
 from .ties import TiedGradients
@@ -174,7 +174,7 @@ class PipelineEngine(Engine):
         args: Tuple = ()
         target = None
         if micro:
-            micro = [_move_inputs(tuple(b), self.device, self._p.train_dtype) for b in micro]
+            micro = [move_inputs(tuple(b), self.device, self._p.train_dtype) for b in micro]
             if any(tuple(t.shape) != tuple(s.shape) for b in micro for t, s in zip(_tensors(b), _tensors(micro[0]))):
                 raise ShardspeedError("the micro-batches of one step must have the same shapes (sequence length "
                                       "may change between steps, not within one)")

@@ -57,18 +57,18 @@ class EngineParts:
     monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
 
 
-def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
+def move_inputs(obj, device: torch.device, dtype: torch.dtype):
     """Tensors go to the engine's device; floating-point ones take the training dtype (as model weights do)."""
     if torch.is_tensor(obj):
         if obj.is_floating_point() and obj.dtype != dtype:
             return obj.to(device=device, dtype=dtype)
         return obj.to(device) if obj.device != device else obj
     if isinstance(obj, tuple):
-        return tuple(_move_inputs(o, device, dtype) for o in obj)
+        return tuple(move_inputs(o, device, dtype) for o in obj)
     if isinstance(obj, list):
-        return [_move_inputs(o, device, dtype) for o in obj]
+        return [move_inputs(o, device, dtype) for o in obj]
     if isinstance(obj, dict):
-        return {k: _move_inputs(v, device, dtype) for k, v in obj.items()}
+        return {k: move_inputs(v, device, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -277,7 +277,7 @@ class Engine(nn.Module):
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         with self._timers("forward"), self._flops_scope("forward"):
-            args, kwargs = _move_inputs((args, kwargs), self.device, self._p.train_dtype)
+            args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
