@@ -5,7 +5,7 @@ in separate autograd nodes, so the zero-bubble schedules can split them). The mo
 rank (one stage of two layers, or two one-layer chunks for the interleaved and V schedules), so every
 rank's compute per step is m × 2 × 3t whatever the schedule. Measured bubble = 1 − that / step time.
 
-    python benchmarks/bench_pipeline.py [--t 0.01] [--steps 2] [--p 2 4] [--m 8 16]
+    python benchmarks/bench_pipeline.py [--t 0.02] [--steps 2] [--p 2 4] [--m 8 16] [--systems 1f1b deepspeed]
 
 Writes benchmarks/results/bench_pipeline.{json,md}. DeepSpeed columns are skipped when it is absent.
 """
@@ -146,15 +146,16 @@ def measure(system: str, p: int, m: int, t: float, steps: int) -> float:
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--t", type=float, default=0.01, help="forward sleep per layer (s); backward sleeps 2t")
+    ap.add_argument("--t", type=float, default=0.02, help="forward sleep per layer (s); backward sleeps 2t")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per case (the fastest is kept)")
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--m", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--systems", nargs="+", default=None, help="schedules and/or 'deepspeed' (default: all)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_pipeline"))
     args = ap.parse_args(argv)
     import importlib.util
 
-    systems = SCHEDULES + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+    systems = args.systems or SCHEDULES + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
     rows = []
     for p in args.p:
         for m in args.m:
