@@ -93,6 +93,8 @@ def test_module_builds_only_its_stage_and_names_layers_globally():
     assert m.chunk_layers(0) == [4, 5] and {n.split(".")[0] for n, _ in m.named_parameters()} == {"4", "5"}
     with pytest.raises(ConfigError, match="no layers"):
         PipelineModule([nn.Linear(2, 2)], num_stages=2)
+    with pytest.raises(ConfigError, match="stage 1 of 2 .* no trainable parameters"):
+        PipelineModule([nn.Linear(2, 2), nn.Tanh()], num_stages=2, partition_method="uniform")
 
 
 # ---- world 2: PP=2, every schedule, ties, checkpointing, bf16, sequence length, errors ------------------

@@ -125,6 +125,13 @@ class PipelineModule(nn.Module):
         ``stage_ids`` (several with interleaved or V schedules). Called at construction with one stage per
         pipe rank, and by the builder when the schedule asks for virtual stages."""
         self.parts = partition_layers(self.partition_method, self._param_counts, self._class_names, total_stages)
+        for s in range(total_stages):  # every rank checks every stage: the same error everywhere, no hang
+            if not any(self._param_counts[self.parts[s] : self.parts[s + 1]]):
+                raise ConfigError(
+                    f"pipeline stage {s} of {total_stages} (layers {self.parts[s]}..{self.parts[s + 1] - 1}: "
+                    f"{self._class_names[self.parts[s]:self.parts[s + 1]]}) holds no trainable parameters; use "
+                    f"partition_method=\"uniform\" or \"type:<regex>\", fewer stages, or fold parameter-free "
+                    f"layers into their neighbours")
         self.stage_ids = list(stage_ids)
         for name in [n for n in self._modules if n != "tied_modules"]:
             del self._modules[name]

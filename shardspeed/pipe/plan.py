@@ -45,11 +45,6 @@ def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger)
     total = p * v
     if model.stage_ids != stage_ids or len(model.parts) - 1 != total:
         model.assign_stages(total, stage_ids)
-    if not any(p.requires_grad for p in model.parameters()):
-        layers = [i for c in range(model.num_chunks()) for i in model.chunk_layers(c)]
-        raise ConfigError(f"pipeline stage(s) {stage_ids} (layers {layers}) hold no trainable parameters; give "
-                          f"every stage some (e.g. partition_method=\"uniform\" or \"type:<regex>\", or fold "
-                          f"parameter-free layers into their neighbours)")
     return PipeParts(schedule=name, virtual_stages=v, total_stages=total, stage_ids=stage_ids,
                      pipe_comm=sub_collectives(topo, topo.pipe_group, log), world_comm=sub_collectives(topo, None, log),
                      last_stage_pipe_rank=rank_of_stage(total - 1, p, v, name))
