@@ -269,13 +269,19 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     return checkpoint_with(function, args, kwargs)
 
 
+class _PolicyCheckpoint:
+    """``checkpoint`` with a fixed policy (a plain object: copied and pickled with the model)."""
+
+    def __init__(self, policy: Optional[str]):
+        if policy is not None:
+            CheckpointSettings(policy=policy)  # validates the name
+        self.policy = policy
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_with(function, args, kwargs, self.policy)
+
+
 def checkpoint_function(policy: Optional[str] = None) -> Callable[..., Any]:
     """A ``checkpoint``-like callable with a fixed ``policy`` ("full" or "selective"; None: the configured
     one), e.g. for a Hugging Face model's ``_gradient_checkpointing_func``."""
-    if policy is not None:
-        CheckpointSettings(policy=policy)  # validates the name
-
-    def run(function: Callable, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_with(function, args, kwargs, policy)
-
-    return run
+    return _PolicyCheckpoint(policy)

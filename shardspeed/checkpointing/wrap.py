@@ -84,17 +84,24 @@ def _repeated_blocks(model: nn.Module) -> List[nn.Module]:
     return best[1]
 
 
+class _CheckpointedForward:
+    """A block's ``forward`` replaced on the instance: the original, checkpointed while training with grad.
+    A plain object (not a closure), so ``copy.deepcopy`` of the model re-binds it to the copy's block."""
+
+    def __init__(self, block: nn.Module, original: Callable[..., Any], fn: Callable[..., Any]):
+        self.block, self.original, self.fn = block, original, fn
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.block.training and torch.is_grad_enabled():
+            return self.fn(self.original, *args, **kwargs)
+        return self.original(*args, **kwargs)
+
+
 def _wrap(block: nn.Module, fn: Callable[..., Any]) -> None:
     original = block.__dict__.get(_ORIGINAL) or block.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if block.training and torch.is_grad_enabled():
-            return fn(original, *args, **kwargs)
-        return original(*args, **kwargs)
-
     block.__dict__[_ORIGINAL] = original
-    block.forward = forward  # on the instance: module hooks stay outside the checkpoint
+    block.forward = _CheckpointedForward(block, original, fn)  # on the instance: module hooks stay outside
 
 
 def checkpoint_blocks(model: nn.Module, policy: Optional[str] = None,
