@@ -19,6 +19,9 @@ layers keep plus, with recompute, one layer's full set while it is recomputed in
 elementwise part only, 20·sbh values), plus the logits (s·b·V) alive at the end of the forward. Peak RSS
 predicted = RSS before the forward (parameters, gradients, Adam's states: 16Ψ, and the process) + that.
 
+At stage 3 (world 1) the gathered parameters are added: the step gathers every unit in turn and prefetches
+``stage3_prefetch_bucket_size`` elements ahead, the whole model at these sizes (4Ψ bytes).
+
 Printed per configuration: the predicted and measured activation peak (peak RSS - RSS before forward), their
 ratio, peak RSS (predicted and measured), the reduction factor against no recompute (predicted, measured)
 and seconds per step. JSON: benchmarks/results/activation[-quick].json.
@@ -42,8 +45,12 @@ SHAPES = {"default": dict(n_layer=8, n_embd=256, n_head=8, seq=1024, batch=4, vo
           "quick": dict(n_layer=4, n_embd=128, n_head=4, seq=512, batch=4, vocab=256)}
 
 
-def predicted_activation_peak(shape: Dict[str, int], recompute: str) -> Dict[str, float]:
-    """Bytes: what the layers keep, the rest of the model keeps, and the step's activation peak."""
+def predicted_activation_peak(shape: Dict[str, int], recompute: str, stage: int = 0,
+                              params: int = 0) -> Dict[str, float]:
+    """Bytes: what the layers keep, the rest of the model keeps, and the step's activation peak. At stage 3
+    the gathered parameters come on top of RSS before the forward (everything is released there): the units
+    in use and prefetched, ``stage3_prefetch_bucket_size`` (5e7 elements by default) ahead, i.e. the whole
+    model for these sizes."""
     from shardspeed.checkpointing.memory import activation_bytes_per_layer
 
     s, b, h, a, L, V = (shape[k] for k in ("seq", "batch", "n_embd", "n_head", "n_layer", "vocab"))
@@ -51,7 +58,8 @@ def predicted_activation_peak(shape: Dict[str, int], recompute: str) -> Dict[str
     full = activation_bytes_per_layer(s, b, h, a, recompute="none", value_bytes=4, dropout=False)
     kept = L * per + 4 * (3 * s * b * h + s * b * V)
     working = {"none": 0, "full": full, "selective": full - per + 4 * s * b * h}[recompute]
-    return {"per_layer": per, "kept": kept, "peak": kept + max(working, 4 * s * b * V)}
+    gathered = 4 * min(params, int(5e7) + 12 * h * h) if stage == 3 else 0
+    return {"per_layer": per, "kept": kept, "peak": kept + max(working, 4 * s * b * V) + gathered}
 
 
 # ---- the worker (one configuration, its own process) ------------------------------------------------------
@@ -133,7 +141,7 @@ def main() -> None:
     for recompute in args.policies.split(","):
         got = _run_one({"shape": shape, "recompute": recompute, "stage": args.stage, "threads": args.threads,
                         "mmap": args.mmap_threshold})
-        pred = predicted_activation_peak(shape, recompute)
+        pred = predicted_activation_peak(shape, recompute, args.stage, got["params"])
         act = got["peak"] - got["rss_before_forward"]
         rows[recompute] = dict(got, predicted=pred, activation_peak=act, predicted_rss=got["rss_before_forward"]
                                + pred["peak"])

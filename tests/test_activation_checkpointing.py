@@ -92,6 +92,31 @@ def test_configure_reads_config_then_keywords():
         ck.configure(object())
 
 
+def test_signatures_match_deepspeed():
+    """The public functions take DeepSpeed 0.19.8's parameters (read from its source, not imported)."""
+    import ast
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("deepspeed is not installed")
+    src = pathlib.Path(spec.origin).parent / "runtime" / "activation_checkpointing" / "checkpointing.py"
+    theirs = {f.name: [a.arg for a in f.args.args] + ([f.args.vararg.arg] if f.args.vararg else [])
+              for f in ast.parse(src.read_text()).body if isinstance(f, ast.FunctionDef)}
+    import inspect
+
+    for name in ("checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker",
+                 "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed"):
+        ours = [p.name for p in inspect.signature(getattr(ck, name)).parameters.values()
+                if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        assert ours == theirs[name], name
+    cls = next(c for c in ast.parse(src.read_text()).body
+               if isinstance(c, ast.ClassDef) and c.name == "CudaRNGStatesTracker")
+    methods = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    assert methods and methods <= set(dir(ck.CudaRNGStatesTracker))
+
+
 # ---- single process: exact replay -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -282,6 +307,8 @@ def _data_parallel_cases() -> dict:
     out["cpu-2"] = _train(_config(2, enabled=True, cpu_checkpointing=True), _gpt(0.1))
     out["inside-3"] = _train(_config(3), _calls_checkpoint(0.1))
     out["nodrop-ckpt-3"] = _train(_config(3), _gpt(0.0), enable="full")
+    out["bf16-plain-2"] = _train(dict(_config(2), bf16={"enabled": True}), _gpt(0.1))
+    out["bf16-ckpt-2"] = _train(dict(_config(2, enabled=True, policy="selective"), bf16={"enabled": True}), _gpt(0.1))
     return out
 
 
@@ -314,6 +341,7 @@ def test_checkpointed_training_equals_plain_at_every_stage():
     _close(res["cpu-2"], res["plain-2"], 1e-6, "cpu_checkpointing, stage 2")
     _close(res["inside-3"], res["plain-3"], 1e-6, "checkpoint(block, x) inside the model, stage 3")
     _close(res["nodrop-ckpt-3"], _reference_nodrop(2), 1e-5, "no dropout, stage 3 vs one-process torch")
+    _close(res["bf16-ckpt-2"], res["bf16-plain-2"], 1e-6, "bf16, selective, stage 2")  # the same ops replayed
     for name in ("ckpt-3", "selective-3", "inside-3"):  # the recompute gathers nothing more
         assert res[name]["gathers"] == res["plain-3"]["gathers"], (name, res[name]["gathers"], res["plain-3"]["gathers"])
     for name, r in res.items():
