@@ -88,9 +88,9 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
            "zero_optimization": {"stage": spec["stage"]},
            "activation_checkpointing": {"enabled": recompute != "none",
                                         "policy": recompute if recompute != "none" else "full"}}
+    out: Dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}  # before stage 3 shards them
     engine, *_ = shardspeed.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(1)
-    out: Dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
     for _ in range(2):
         x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
         t0 = time.perf_counter()
