@@ -137,6 +137,40 @@ def test_gpt_blocks_replay_dropout_exactly(policy):
     assert ck.uncheckpoint_blocks(model) == 3 and "forward" not in vars(model.blocks[0])
 
 
+def test_selective_policy_recomputes_no_matmul():
+    """In backward, full recompute reruns every block's matmuls; the selective policy reruns none of them
+    (their outputs were kept) but still the elementwise ops (GELU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    counts = {}
+    for policy in (None, "full", "selective"):
+        model = _gpt(0.0)
+        if policy:
+            ck.checkpoint_blocks(model, policy=policy)
+        loss = model(x, y)
+        with Count() as c:
+            loss.backward()
+        counts[policy] = c.ops
+    mm = {k: sum(v for op, v in ops.items() if op in ("mm", "addmm", "bmm")) for k, ops in counts.items()}
+    # c_attn, attention's c_proj, c_fc; torch's early stop ends the recompute before the MLP's c_proj, whose
+    # output backward does not need
+    assert mm["full"] == mm[None] + 3 * 3
+    assert mm["selective"] == mm[None]
+    assert counts["selective"].get("gelu", 0) == counts["full"].get("gelu", 0) == 3
+    assert counts[None].get("gelu", 0) == 0
+
+
 def test_checkpoint_kwargs_tracker_profile_and_cpu(caplog):
     """Tensor keyword arguments are differentiated; dropout inside a tracker fork replays; profile and
     synchronize time and log each call; cpu_checkpointing on a CPU device says once that it has nothing to do."""
