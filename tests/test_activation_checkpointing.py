@@ -90,6 +90,9 @@ def test_configure_reads_config_then_keywords():
     assert st.profile and not st.cpu_checkpointing and st.number_checkpoints == 3 and st.policy == "full"
     with pytest.raises(ConfigError, match="get_tensor_model_parallel_group"):
         ck.configure(object())
+    ck.partition_activations_in_checkpoint(True)
+    ck.set_num_layers(5)
+    assert ck.settings().partition_activations and ck.settings().number_checkpoints == 5 and ck.settings().profile
 
 
 def test_signatures_match_deepspeed():
@@ -107,7 +110,8 @@ def test_signatures_match_deepspeed():
     import inspect
 
     for name in ("checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker",
-                 "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed"):
+                 "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
+                 "partition_activations_in_checkpoint", "set_num_layers"):
         ours = [p.name for p in inspect.signature(getattr(ck, name)).parameters.values()
                 if p.kind is not inspect.Parameter.VAR_KEYWORD]
         assert ours == theirs[name], name
@@ -341,6 +345,9 @@ def _data_parallel_cases() -> dict:
     out["cpu-2"] = _train(_config(2, enabled=True, cpu_checkpointing=True), _gpt(0.1))
     out["inside-3"] = _train(_config(3), _calls_checkpoint(0.1))
     out["nodrop-ckpt-3"] = _train(_config(3), _gpt(0.0), enable="full")
+    offload = _config(3, enabled=True)
+    offload["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    out["offload-param-3"] = _train(offload, _gpt(0.1))
     out["bf16-plain-2"] = _train(dict(_config(2), bf16={"enabled": True}), _gpt(0.1))
     out["bf16-ckpt-2"] = _train(dict(_config(2, enabled=True, policy="selective"), bf16={"enabled": True}), _gpt(0.1))
     return out
@@ -374,6 +381,7 @@ def test_checkpointed_training_equals_plain_at_every_stage():
     _close(res["selective-3"], res["plain-3"], 1e-6, "selective, stage 3")
     _close(res["cpu-2"], res["plain-2"], 1e-6, "cpu_checkpointing, stage 2")
     _close(res["inside-3"], res["plain-3"], 1e-6, "checkpoint(block, x) inside the model, stage 3")
+    _close(res["offload-param-3"], res["plain-3"], 1e-6, "offload_param cpu, stage 3")
     _close(res["nodrop-ckpt-3"], _reference_nodrop(2), 1e-5, "no dropout, stage 3 vs one-process torch")
     _close(res["bf16-ckpt-2"], res["bf16-plain-2"], 1e-6, "bf16, selective, stage 2")  # the same ops replayed
     for name in ("ckpt-3", "selective-3", "inside-3"):  # the recompute gathers nothing more

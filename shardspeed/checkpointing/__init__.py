@@ -19,8 +19,11 @@ from .core import (
     model_group_comm,
     model_parallel_cuda_manual_seed,
     model_parallel_reconfigure_tp_seed,
+    non_reentrant_checkpoint,
+    partition_activations_in_checkpoint,
     profile_totals,
     reset,
+    set_num_layers,
     settings,
 )
 from .policy import SAVED_OPS, selective_policy
@@ -33,5 +36,6 @@ __all__ = [
     "checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
     "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker", "RNGStatesTracker", "CheckpointSettings",
     "checkpoint_function", "checkpoint_with", "checkpoint_blocks", "uncheckpoint_blocks", "find_blocks", "apply",
-    "model_group_comm", "profile_totals", "settings", "selective_policy", "SAVED_OPS", "partition_span",
+    "model_group_comm", "profile_totals", "settings", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
+    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span",
 ]

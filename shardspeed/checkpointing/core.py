@@ -105,6 +105,21 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
     apply(CheckpointSettings(**kwargs), comm)
 
 
+def _replace(**changes: Any) -> None:
+    kwargs = {**_STATE.settings.__dict__, **changes}
+    apply(CheckpointSettings(**kwargs), _STATE.comm)
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Turn ``partition_activations`` on or off, keeping the other settings (DeepSpeed's function)."""
+    _replace(partition_activations=bool(partition_activation))
+
+
+def set_num_layers(nlayers: int) -> None:
+    """Set ``number_checkpoints`` (DeepSpeed's function)."""
+    _replace(number_checkpoints=int(nlayers))
+
+
 def is_configured() -> bool:
     """True once ``configure`` (or an engine) has configured activation checkpointing."""
     return _STATE.configured
@@ -279,6 +294,10 @@ class _PolicyCheckpoint:
 
     def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         return checkpoint_with(function, args, kwargs, self.policy)
+
+
+#: DeepSpeed's name for its non-reentrant variant: ``checkpoint`` is non-reentrant here.
+non_reentrant_checkpoint = checkpoint
 
 
 def checkpoint_function(policy: Optional[str] = None) -> Callable[..., Any]:
