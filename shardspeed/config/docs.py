@@ -27,9 +27,9 @@ Differences from DeepSpeed:
   change neither the results nor what a run writes (DeepSpeed performance knobs, legacy flags);
   setting one to a non-default value logs a warning. Keys marked *only the default* are errors when
   set otherwise, and keys marked *not implemented yet* (features a user turns on expecting behaviour:
-  DeepSpeed's activation-checkpointing API, ZeRO++, 16-bit master weights, parameter and buffer dtype
-  casts) are refused with a `ConfigError` naming the key unless they hold their default, so a DeepSpeed
-  config that merely carries them at their defaults loads. Blocks with an `enabled` key are
+  ZeRO++, 16-bit master weights, parameter and buffer dtype casts) are refused with a `ConfigError`
+  naming the key unless they hold their default, so a DeepSpeed config that merely carries them at
+  their defaults loads. Blocks with an `enabled` key are
   implemented (`shardspeed.config.IMPLEMENTED_BLOCKS`) or refused when enabled; a test checks this.
 - `"auto"` (written by Hugging Face) is resolved where it can be: the batch trio is derived from the
   other two and the world size, `gradient_clipping` becomes 1.0, bucket sizes and thresholds their
