@@ -171,7 +171,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
         def wrapped(*args, _fwd=fwd, **kwargs):
             return cp.checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
 
-        block.forward = wrapped  # type: ignore[method-assign]
+        block.forward = wrapped
     return len(blocks)
 
 
