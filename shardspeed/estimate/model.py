@@ -104,12 +104,12 @@ def describe_hf_config(path: str, config: Any = None, *, micro_batch: Optional[i
                        dtype: Optional[torch.dtype] = None, trace: bool = True) -> ModelSpec:
     """A Hugging Face causal LM from its ``config.json`` (a file or a directory holding one), built on the meta
     device with ``AutoModelForCausalLM.from_config``; needs ``transformers``."""
+    if not os.path.exists(path):
+        raise ConfigError(f"Hugging Face config {path!r} does not exist; give a config.json or its directory")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise ConfigError("--hf-config needs the transformers package: pip install transformers") from None
-    if not os.path.exists(path):
-        raise ConfigError(f"Hugging Face config {path!r} does not exist; give a config.json or its directory")
     hf = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)

@@ -55,6 +55,8 @@ class PeakEstimate:
     """Predicted per-rank peak bytes. ``device`` / ``host``: the larger of the training-step peak and the
     start-up peak on each; ``terms``: the parts (bytes; ``*_host`` on the host) of the training-step phase with the larger peak,
     ``phase`` ("backward": the start of a backward, activations all alive; "step": the optimizer step);
+    ``model_states``: parameters, gradients (the full buckets at stages 0-1, the 1/N accumulator at 2-3), master
+    weights and optimizer states as the optimizer step sees them (the ZeRO paper's quantities);
     ``startup_device`` / ``startup_host``: while the engine is being built; ``nvme``: bytes of files per rank;
     ``activations_source``: "traced" or "formula"."""
 
@@ -62,6 +64,7 @@ class PeakEstimate:
     host: float
     terms: Dict[str, float] = field(default_factory=dict)
     phase: str = "backward"
+    model_states: Dict[str, float] = field(default_factory=dict)
     startup_device: float = 0.0
     startup_host: float = 0.0
     nvme: float = 0.0
@@ -214,7 +217,9 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
     device = max(_split(p)[0] for p in phases.values())
     host = max(_split(p)[1] for p in phases.values())
     return PeakEstimate(device=max(device, s_dev), host=max(host, s_host), terms=dict(phases[peak_phase]),
-                        phase=peak_phase, startup_device=s_dev, startup_host=s_host, nvme=nvme,
+                        phase=peak_phase, model_states={k: v for k, v in step.items() if k.split("_host")[0] in
+                                                        ("params", "grads", "master", "optimizer")},
+                        startup_device=s_dev, startup_host=s_host, nvme=nvme,
                         activations_source=act.source)
 
 
