@@ -184,11 +184,11 @@ def test_estimate_command_errors_exit_2(capsys):
 # ---- one measured run ----------------------------------------------------------------------------------
 
 def test_prediction_within_10_percent_of_measured_rss():
-    """Stage 3, micro-batch 2, sequence 256, world 2: benchmarks/bench_estimate.py's measurement for one config
+    """Stage 3, micro-batch 2, sequence 128, world 2: benchmarks/bench_estimate.py's measurement for one config
     (fresh processes, MALLOC_MMAP_THRESHOLD_=65536, VmHWM over the RSS before the build, max over ranks)."""
     code = ("import json; from benchmarks.bench_estimate import measure, predict; "
-            "rows = measure([{'stage': 3, 'offload': False, 'ckpt': False, 'mb': 2}], 256, 2, 2, timeout=240); "
-            "predict(rows, 256, 2); print(json.dumps([r['measured_bytes'] for r in rows] + "
+            "rows = measure([{'stage': 3, 'offload': False, 'ckpt': False, 'mb': 2}], 128, 2, 2, timeout=240); "
+            "predict(rows, 128, 2); print(json.dumps([r['measured_bytes'] for r in rows] + "
             "[r['predicted_bytes'] for r in rows]))")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
