@@ -174,6 +174,20 @@ def test_estimate_command_peak_table(capsys, tmp_path):
     assert "checkpointing" in text and text.count("\n2 ") == 3
 
 
+def tiny_gpt():
+    from shardspeed.models import GPT
+
+    return GPT(GPTConfig.preset("tiny"))
+
+
+def test_factory_model_is_described_on_meta_and_traced(capsys):
+    assert main(["estimate", "--model", "test_estimate:tiny_gpt", "--micro-batch", "2", "--stage", "3",
+                 "--world", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_params"] == 220_544 and len(out["rows"]) == 5
+    assert all(r["activations_source"] == "traced" and r["terms"]["activations"] > 0 for r in out["rows"])
+
+
 def test_estimate_command_errors_exit_2(capsys):
     assert main(["estimate", "--model", "no_such_module:build", "--micro-batch", "1"]) == 2
     assert "cannot import" in capsys.readouterr().err
