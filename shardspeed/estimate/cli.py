@@ -25,12 +25,9 @@ def _base_config(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def wants_peak(args: argparse.Namespace) -> bool:
-    """The peak table is printed when a micro-batch is known or the model is not a preset."""
-    if args.micro_batch or args.hf_config or (args.model and ":" in args.model):
-        return True
-    if args.config:
-        return bool(read_json_config(args.config).get("train_micro_batch_size_per_gpu"))
-    return False
+    """The peak table is printed when a micro-batch or a config is given, or the model is not a preset (a
+    preset alone, or ``--params``, prints the model-state table)."""
+    return bool(args.micro_batch or args.config or args.hf_config or (args.model and ":" in args.model))
 
 
 def peak_command(args: argparse.Namespace) -> int:
