@@ -183,7 +183,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--no-predict", action="store_true", help="measure only")
+    ap.add_argument("--from-json", help="predict again for the measurements saved in this results file")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        predict(saved["rows"], saved["seq"], saved["world"])
+        print(table(saved["rows"], False))
+        with open(args.from_json, "w") as f:
+            json.dump(saved, f, indent=1, default=float)
+        return 0
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # before any worker starts: glibc reads it once
     configs = grid(args.quick)
     print(f"GPT {MODEL}, seq {args.seq}, world {args.world}, fp32 AdamW, {len(configs)} configs", flush=True)

@@ -204,13 +204,14 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
         step["grads"] = accumulator
     if cfg.train_dtype != torch.float32 or g_b != 4:  # gradients converted to fp32 one unit at a time
         step["grad_fp32"] = max(units) / (n_dp if stage >= 1 else 1) * 4
-    if oo_dev == "cpu":
-        step["offload_buffers_host"] = 2 * min(float(z.sub_group_size), shard) * 4
+    if oo_dev == "cpu":  # the host copier's two fp32 gradient slots, resident once the first step used them
+        held["offload_buffers_host"] = backward["offload_buffers_host"] = step["offload_buffers_host"] = \
+            _copier_slots(units, n_dp if stage >= 1 else 1, float(z.sub_group_size))
     elif oo_dev == "nvme":
         tile = min(float(z.sub_group_size), shard)
-        # the pool (buffer_count x 3 tiles) and the two gradient tiles are held from the start; in the step two
+        # the pool (buffer_count x 3 tiles) and the copier's gradient slots are held from the start; in the step two
         # more fp32 tiles are in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)
-        pool = (max(1, oo.buffer_count) * 3 + 2) * tile * 4
+        pool = max(1, oo.buffer_count) * 3 * tile * 4 + _copier_slots(units, n_dp, float(z.sub_group_size))
         held["offload_buffers_host"] = backward["offload_buffers_host"] = pool
         step["offload_buffers_host"] = pool + 2 * tile * 4
 
@@ -224,6 +225,15 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
                                                         ("params", "grads", "master", "optimizer")},
                         startup_device=s_dev, startup_host=s_host, nvme=nvme,
                         activations_source=act.source)
+
+
+def _copier_slots(units, n_dp: int, sub_group: float) -> float:
+    """Bytes of the offloaded step's two fp32 gradient slots (``offload/transfer.py``), each of the largest tile
+    (``sub_group_size`` elements or a unit's shard, whichever is smaller); only one is ever used when there is
+    one tile, and untouched pages are not resident."""
+    shards = [u / n_dp for u in units] or [0.0]
+    tiles = sum(max(1, -(-int(sh) // max(1, int(sub_group)))) for sh in shards)
+    return min(2, tiles) * min(sub_group, max(shards)) * 4
 
 
 def _split(terms: Dict[str, float]):
