@@ -1,8 +1,10 @@
 """Issue 12: the memory estimator's predicted per-rank peak against measured peak RSS.
 
     python benchmarks/bench_estimate.py            # stage {0,1,2,3} x micro-batch {1,2,4,8} x checkpointing
-                                                   # on/off x optimizer offload on/off: 56 configs, ~10 min here
-    python benchmarks/bench_estimate.py --quick    # 8 configs, ~2 min
+                                                   # on/off x optimizer offload on/off: 56 configs, 46 min
+                                                   # on this shared 2-core box under load
+    python benchmarks/bench_estimate.py --quick    # 15 configs, ~5 min
+    python benchmarks/bench_estimate.py --from-json benchmarks/results/estimate.json   # predict again, no run
 
 One group of ``--world`` (default 2) gloo processes runs every config in turn, each in a fresh engine on the
 same GPT (``MODEL`` below, fp32, AdamW, dropout 0.1, sequence ``--seq``), two optimizer steps per config.
@@ -178,7 +180,7 @@ def measure(configs: list[dict[str, Any]], seq: int, steps: int, world: int, tim
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a subset of 8 configs")
+    ap.add_argument("--quick", action="store_true", help="a subset of 15 configs")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
