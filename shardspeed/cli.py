@@ -226,6 +226,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from shardspeed.errors import ConfigError
     from shardspeed.memory_estimate import estimate_model_state_memory
 
+    if args.params is None:
+        from shardspeed.estimate.cli import peak_command, wants_peak
+
+        try:
+            if wants_peak(args):
+                return peak_command(args)
+        except ConfigError as e:
+            print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+            return 2
     if args.params is not None:
         try:
             n = parse_count(args.params)
@@ -239,13 +248,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from shardspeed.models import GPT, GPTConfig
 
         try:
-            cfg = GPTConfig.preset(args.model)
+            cfg = GPTConfig.preset(args.model or args.preset)
         except ValueError as e:
             print(f"shardspeed estimate: error: {e}", file=sys.stderr)
             return 2
         with torch.device("meta"):  # shapes only, no memory
             n = GPT(cfg).num_params()
-        source = f"GPT preset {args.model!r}: {n:,} parameters"
+        source = f"GPT preset {args.model or args.preset!r}: {n:,} parameters"
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     rows = []
     try:
@@ -314,13 +323,30 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="print versions and the devices and backends available")
     p.set_defaults(func=_cmd_env)
 
-    p = sub.add_parser("estimate", help="per-rank memory of model states for each ZeRO stage")
+    p = sub.add_parser("estimate", help="per-rank memory: model states, or the training peak with activations",
+                       description="Without --micro-batch: model states per rank for each ZeRO stage. With "
+                                   "--micro-batch (or a --config that sets train_micro_batch_size_per_gpu): the "
+                                   "per-rank PEAK of a training step (model states, gradient buckets, stage-3 "
+                                   "gathered units, activations traced on fake tensors, start-up) by stage x "
+                                   "offload. Nothing is allocated: models are built on the meta device.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", help="number of parameters, e.g. 1.3B, 125M, 7.5e9")
-    src.add_argument("--model", help="a GPT preset: tiny, small, gpt2-50m, gpt2-1.3b")
-    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    src.add_argument("--params", help="number of parameters, e.g. 1.3B, 125M, 7.5e9 (model states only)")
+    src.add_argument("--model", help="a GPT preset (tiny, small, gpt2-50m, gpt2-1.3b) or a factory pkg.module:function")
+    src.add_argument("--preset", help="a GPT preset: tiny, small, gpt2-50m, gpt2-1.3b")
+    src.add_argument("--hf-config", help="a Hugging Face config.json (or its directory); needs transformers")
+    p.add_argument("--config", help="a DeepSpeed/shardspeed JSON config: its precision, ZeRO and offload settings, "
+                                    "buckets and micro-batch are used (stage and offload vary over the table)")
+    p.add_argument("--world", type=int, default=1, help="ranks (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one ZeRO stage (default: all)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="training dtype when no --config says (default bf16)")
+    p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step: estimate the training peak")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's positions)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--zero-init", action="store_true", help="the model is built under shardspeed.zero.Init")
+    p.add_argument("--no-trace", action="store_true", help="activations from the formulas, not a traced step")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
     p.add_argument("--offload-param", action="store_true", help="parameters in host memory (stage 3)")
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
