@@ -77,15 +77,6 @@ def ds_config(stage: int, mb: int, offload: bool, world: int) -> dict[str, Any]:
             "gradient_clipping": 1.0, "zero_optimization": zero}
 
 
-def checkpoint_blocks(model) -> None:
-    """Wrap each GPT block's forward in non-reentrant torch.utils.checkpoint (module hooks still fire once)."""
-    import torch.utils.checkpoint as cp
-
-    for block in model.blocks:
-        fwd = block.forward
-        block.forward = lambda x, fwd=fwd: cp.checkpoint(fwd, x, use_reentrant=False)
-
-
 def _run_one(c: dict[str, Any], seq: int, steps: int, world: int, rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -103,7 +94,9 @@ def _run_one(c: dict[str, Any], seq: int, steps: int, world: int, rank: int) -> 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     if c["ckpt"]:
-        checkpoint_blocks(model)
+        from shardspeed.checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model, policy="full")
     engine, *_ = shardspeed.initialize(model=model, config=ds_config(c["stage"], c["mb"], c["offload"], world))
     build_peak = proc_status_kb("VmHWM")
     losses, t0 = [], time.perf_counter()

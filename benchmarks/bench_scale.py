@@ -65,7 +65,7 @@ def train(gpt_cfg, args, nvme: bool, rank: int, world: int) -> dict[str, Any]:
     import torch
 
     import shardspeed
-    from shardspeed.estimate import checkpoint_blocks
+    from shardspeed.checkpointing import checkpoint_blocks
     from shardspeed.models import GPT
 
     gen = torch.Generator().manual_seed(1234)  # one fixed batch, seen every step: the loss must fall
@@ -78,7 +78,7 @@ def train(gpt_cfg, args, nvme: bool, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     with shardspeed.zero.Init(dtype=torch.bfloat16):
         model = GPT(gpt_cfg)
-    checkpoint_blocks(model)
+    checkpoint_blocks(model, policy="full")
     engine, *_ = shardspeed.initialize(model=model, config=ds_config(args, nvme))
     build_s = time.perf_counter() - t0
     n_params = sum(math.prod(s) for u in engine._p.master.units for s in u.shapes)

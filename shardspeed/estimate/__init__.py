@@ -11,7 +11,6 @@ any ``nn.Module`` (e.g. built on the meta device). See docs/memory.md.
 from .activations import (
     ActivationProfile,
     TransformerShape,
-    checkpoint_blocks,
     formula_activations,
     layer_saved_bytes,
     trace_activations,
@@ -21,6 +20,6 @@ from .peak import OPTIMIZER_STATE_BYTES, PeakEstimate, estimate_peak, paper_tabl
 
 __all__ = [
     "ActivationProfile", "ModelSpec", "OPTIMIZER_STATE_BYTES", "PeakEstimate", "TransformerShape",
-    "checkpoint_blocks", "describe", "describe_factory", "describe_gpt", "describe_hf_config", "describe_module",
+    "describe", "describe_factory", "describe_gpt", "describe_hf_config", "describe_module",
     "estimate_peak", "formula_activations", "layer_saved_bytes", "paper_table", "trace_activations",
 ]

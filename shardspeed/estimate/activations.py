@@ -148,33 +148,6 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def transformer_blocks(model: nn.Module) -> list:
-    """The children of the model's largest ``nn.ModuleList`` (by parameters): its transformer blocks."""
-    best, best_n = None, 0
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m):
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = m, n
-    return list(best) if best is not None else []
-
-
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap each transformer block's forward in non-reentrant ``torch.utils.checkpoint`` (module hooks still
-    fire once per forward). Returns the number of blocks wrapped."""
-    import torch.utils.checkpoint as cp
-
-    blocks = transformer_blocks(model)
-    for block in blocks:
-        fwd = block.forward
-
-        def wrapped(*args, _fwd=fwd, **kwargs):
-            return cp.checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
-
-        block.forward = wrapped
-    return len(blocks)
-
-
 def _loss_of(out: Any) -> torch.Tensor:
     if torch.is_tensor(out):
         return out if out.dim() == 0 else out.float().mean()
@@ -196,8 +169,10 @@ def trace_activations(build: Callable[[], nn.Module], batch: Callable[[int], Any
     positional inputs or a dict of keyword inputs), traced on fake tensors: no real memory, no compute.
 
     ``dtype``: the training dtype (the model is cast to it, as the engine does). ``checkpointing`` wraps each
-    transformer block (:func:`transformer_blocks`) in non-reentrant checkpointing first."""
+    transformer block first (:func:`shardspeed.checkpointing.checkpoint_blocks`, full recompute)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..checkpointing import checkpoint_blocks
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         with torch.device("cpu"):
@@ -207,7 +182,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Callable[[int], Any
                 t.data = t.data.to(dtype)  # as the engine casts (module.to swaps tensors, which fake mode refuses)
         model.train()
         if checkpointing:
-            checkpoint_blocks(model)
+            checkpoint_blocks(model, policy="full")
         exclude = {p.untyped_storage()._cdata for p in model.parameters()}
         exclude |= {b.untyped_storage()._cdata for b in model.buffers()}
         hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
