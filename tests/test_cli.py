@@ -144,7 +144,12 @@ def test_env_prints_torch_version(capsys):
     assert "gloo" in out and "cuda available" in out
 
 
-@pytest.mark.parametrize("command", ["autotune"])
-def test_unimplemented_commands_exit_2(command, capsys):
-    assert main([command]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_autotune_usage_and_errors(capsys, tmp_path):
+    assert main(["autotune"]) == 2
+    assert "usage: shardspeed autotune" in capsys.readouterr().out
+    assert main(["run", "--autotuning", "bogus", "x.py"]) == 2
+    assert "--autotuning must be tune or run" in capsys.readouterr().err
+    script = tmp_path / "x.py"
+    script.write_text("")
+    assert main(["run", "--autotuning", "tune", "--nproc", "1", str(script), "--lr", "1"]) == 2
+    assert "--deepspeed_config" in capsys.readouterr().err

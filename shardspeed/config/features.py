@@ -16,6 +16,8 @@ IMPLEMENTED_BLOCKS: Dict[str, str] = {
     "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
     "bf16": "bf16 training (runtime.builder: train dtype)",
     "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
+    "autotuning": "a trial's profile window (autotune.probe: measure, write metric_path, exit); "
+                  "`shardspeed autotune` (autotune.search)",
     # Issue 15, implemented on the monitor and flops-profiler branches (reconciled at merge).
     "tensorboard": "issue 15: TensorBoard monitor (monitor work)",
     "csv_monitor": "issue 15: CSV monitor (monitor work)",
