@@ -6,6 +6,11 @@ With ``autotuning.enabled`` the builder hands the engine a :class:`ProfileWindow
 step and the script's own data loading, as the user will see it), then takes the peak memory of the
 process, reduces both across ranks (max), writes the metrics as JSON on rank 0 and exits the process
 (``SystemExit(0)``), as DeepSpeed's engine does.
+
+Peak memory is the device's (CUDA allocator peak). On a CPU-only machine it is the process's peak RSS
+counted from the engine's construction on (the kernel's high-water mark is reset then): the full model a
+script builds before ``initialize`` is there at every stage and would hide what the stage saves. The
+process's lifetime peak is reported too (``peak_rss``).
 """
 from __future__ import annotations
 
@@ -30,11 +35,33 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count (VmHWM) from the current RSS (Linux /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_device_bytes(device: torch.device) -> int:
-    """Peak memory of the training device: the CUDA allocator's peak, or on CPU the process's peak RSS."""
+    """Peak memory of the training device: the CUDA allocator's peak; on CPU the peak RSS since the engine
+    was built (VmHWM after :func:`reset_peak_rss`; the whole process's peak where /proc is missing)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes()
+    return _vm_hwm() or peak_rss_bytes()
 
 
 @dataclass
@@ -122,6 +149,8 @@ def build_profile_window(cfg: Any, units: List[Any], device: torch.device) -> Op
     sizes = [sum(int(torch.Size(s).numel()) for s in u.shapes) for u in units]
     facts = ModelFacts(num_params=sum(sizes), largest_unit=max(sizes, default=0), num_units=len(sizes))
     path = at.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
+    if device.type == "cpu":
+        reset_peak_rss()  # count what training holds, not the full model the script built before initialize
     return ProfileWindow(start_step=at.start_profile_step, end_step=at.end_profile_step, metric_path=path,
                          train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
                          gradient_accumulation_steps=cfg.gradient_accumulation_steps, facts=facts, device=device)

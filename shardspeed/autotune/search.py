@@ -1,8 +1,9 @@
 """The search: probe, calibrate, predict every candidate, prune, run the best predictions, stop.
 
 1. A few-second probe of the link and the optimizer step (:mod:`.bandwidth`).
-2. Two calibration runs (stage 3, the two smallest micro-batches: the configs most likely to fit) give
-   the model's size and fit the cost model's free terms (:mod:`.model`).
+2. Two calibration runs (stage 3 at the smallest micro-batch, the config most likely to fit, then at the
+   largest, the widest lever for per-sample terms; the second smallest if that fails) give the model's
+   size and fit the cost model's free terms (:mod:`.model`).
 3. Every candidate is predicted; those predicted over a budget by more than ``prune_margin`` are pruned
    without running. The rest are ordered by predicted step time (the global batch is fixed, so
    throughput, latency and flops all rank by it).
