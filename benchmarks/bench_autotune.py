@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-quantile", type=float, default=0.5)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--reuse-grid", default=None, metavar="JSON",
+                   help="take the grid's measurements from an earlier run's results JSON (same sizes) instead of "
+                        "running it again; the tuner always runs")
     p.add_argument("--out", default=str(HERE / "results" / "bench_autotune.json"))
     return p.parse_args(argv)
 
@@ -81,6 +84,12 @@ def run_grid(a, workdir: Path):
     tuner = Tuner(str(HERE / "autotune_gpt.py"), script_args(cfg, a), nproc=a.nproc, space=SPACE, progress=True,
                   config=AutotuningConfig(**json.loads(cfg.read_text())["autotuning"]))
     cands = enumerate_candidates(SPACE, a.global_batch, a.nproc)
+    if a.reuse_grid:
+        old = json.loads(Path(a.reuse_grid).read_text())
+        by_name = {c.name: c for c in cands}
+        rows = {by_name[r["name"]]: {k: r[k] for k in ("name", "status", "step_time_s", "peak_memory", "wall_s")}
+                for r in old["grid"]}
+        return rows, float(old["grid_wall_s"]), tuner
     random.Random(0).shuffle(cands)
     t0 = time.perf_counter()
     rows = {}

@@ -295,7 +295,7 @@ def test_search_prunes_runs_the_best_predictions_and_survives_a_hung_trial(tmp_p
     assert pruned and all(truth(true_cfg[c])[1] > budget for c in pruned)
     hung = [c for c, s in status.items() if s.startswith("timeout")]
     assert hung and all(c.stage == 2 for c in hung)
-    assert result.trials <= grid // 3  # calibration included
+    assert result.trials <= grid // 2  # calibration included (the hung stage stays unmeasured: tried more)
     assert _live_trials(str(tmp_path / "autotuning_results")) == []  # the hung trials' other-session children too
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert all(c.name in summary for c in status) and "timeout" in summary

@@ -6,8 +6,9 @@ Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` ×
   on a CPU "device" the offloaded states stay in the same memory, so they count there too;
 - working buffers: the gradient bucket (stages 0-2) or two gathered units plus one unit's gradients
   (stage 3), and the optimizer step's fp32 temporaries over the rank's optimizer shard;
-- ``base`` (runtime, allocator, data) and ``act`` (activations and their gradients per sample) are
-  fitted by least squares from measured runs (two calibration runs, then every trial as it finishes).
+- ``base`` (runtime, allocator, data; one per measured ZeRO stage) and ``act`` (activations and their
+  gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
+  every trial as it finishes).
 
 Any other memory estimator can stand in through :class:`MemoryModel` (the full estimator of activations
 and buffers, when it lands, replaces the fitted part).
@@ -15,7 +16,8 @@ and buffers, when it lands, replaces the fitted part).
 Step time (seconds per optimizer step) = G·(α + β·m·r) + comm + optimizer + offload copies, with G
 accumulation steps of micro-batch m, r the recompute factor (4/3 with activation checkpointing):
 
-- α (per micro-step) and β (per sample) are fitted from measured runs;
+- α (per micro-step) and β (per sample) are fitted from measured runs, and each measured variant
+  (stage, offloads) gets its mean residual as a correction;
 - comm from the bandwidth probe (latency + bytes / bandwidth per collective; ring factors): an
   all-reduce of the gradients (stage 0), reduce-scatter + all-gather (1-2), and at stage 3 two gathers of
   every unit per micro-step plus one reduce-scatter per step;
@@ -114,11 +116,16 @@ def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
 
 @dataclass(frozen=True)
 class StateMemoryModel:
-    """Model states (exact) + working buffers (structural) + fitted base and activations per sample."""
+    """Model states (exact) + working buffers (structural) + fitted bases and activations per sample.
+
+    Each ZeRO stage that has been measured gets a base of its own (the engine's buffers differ by stage in
+    ways the structure above does not capture); a stage never measured uses the mean of the measured
+    bases, and :meth:`measured` tells the search to be more careful with it."""
 
     info: ModelInfo
     base: float = 0.0
     act_per_sample: float = 0.0
+    stage_base: Tuple[Tuple[int, float], ...] = ()
 
     def states(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of parameters, gradients and optimizer states."""
@@ -143,21 +150,32 @@ class StateMemoryModel:
         """Per-sample activation factor of the candidate (checkpointing keeps a share)."""
         return c.micro_batch * (CHECKPOINTED_ACTIVATION_SHARE if c.activation_checkpointing else 1.0)
 
+    def measured(self, c: Candidate) -> bool:
+        """Whether the candidate's stage has a measured base."""
+        return any(s == c.stage for s, _ in self.stage_base)
+
     def predict(self, c: Candidate) -> Tuple[float, float]:
         dev, host = self.states(c)
-        return self.base + dev + self.working(c) + self.act_per_sample * self.variable(c), host
+        base = dict(self.stage_base).get(c.stage, self.base)
+        return base + dev + self.working(c) + self.act_per_sample * self.variable(c), host
 
     def fit(self, runs: Sequence[Measurement]) -> StateMemoryModel:
-        """Refit base and activations per sample from measured peaks (at least one run)."""
+        """Refit the bases (one per measured stage) and activations per sample from measured peaks."""
         ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
         if not ok:
             return self
-        xs = [(1.0, self.variable(r.candidate)) for r in ok]
+        stages = sorted({r.candidate.stage for r in ok})
         ys = [r.peak_memory - self.states(r.candidate)[0] - self.working(r.candidate) for r in ok]
-        if len({x for _, x in xs}) < 2:  # one micro-batch only: activations cannot be told from the base
-            return replace(self, base=sum(y - self.act_per_sample * x for (_, x), y in zip(xs, ys)) / len(ys))
-        base, act = nnls(xs, ys)
-        return replace(self, base=base, act_per_sample=act)
+        if len({self.variable(r.candidate) for r in ok}) < 2:  # activations cannot be told from the bases
+            act = self.act_per_sample
+            bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if r.candidate.stage == s)
+                     / sum(1 for r in ok if r.candidate.stage == s) for s in stages]
+        else:
+            rows = [[1.0 if r.candidate.stage == s else 0.0 for s in stages] + [self.variable(r.candidate)]
+                    for r in ok]
+            *bases, act = nnls(rows, ys)
+        return replace(self, base=sum(bases) / len(bases), act_per_sample=act,
+                       stage_base=tuple(zip(stages, bases)))
 
 
 @dataclass(frozen=True)
@@ -169,6 +187,8 @@ class StepTimeModel:
     per_micro_step: float = 0.0  # α
     per_sample: float = 0.0  # β
     overhead_scale: float = 1.0  # γ: how much of the modelled overheads the measurements bear out
+    #: measured correction per (stage, offload optimizer, offload param): the mean residual of its runs
+    variant_offset: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
 
     def _collective(self, nbytes: float, calls: float, factor: float) -> float:
         n = self.info.dp_size
@@ -205,7 +225,18 @@ class StepTimeModel:
         g, gm = self.features(c)
         parts = {k: v * self.overhead_scale for k, v in self.overheads(c).items()}
         parts["compute"] = self.per_micro_step * g + self.per_sample * gm
-        return sum(parts.values()), parts
+        offset = dict(self.variant_offset).get(_variant(c))
+        if offset is not None:
+            parts["measured_correction"] = offset
+        return max(sum(parts.values()), 1e-9), parts
+
+    def with_offsets(self, runs: Sequence[Measurement]) -> StepTimeModel:
+        """Each measured variant (stage, offloads) gets the mean residual of its runs as a correction."""
+        base = replace(self, variant_offset=())
+        res: Dict[Tuple[int, bool, bool], List[float]] = {}
+        for r in runs:
+            res.setdefault(_variant(r.candidate), []).append(r.step_time_s - base.predict(r.candidate)[0])
+        return replace(self, variant_offset=tuple((k, sum(v) / len(v)) for k, v in sorted(res.items())))
 
     def fit(self, runs: Sequence[Measurement]) -> StepTimeModel:
         """Fit α and β (and, from 4 runs of differing overheads on, γ) by non-negative least squares.
@@ -220,10 +251,10 @@ class StepTimeModel:
         if len(ok) >= 4 and max(over) - min(over) > 0.05 * max(ts):
             a, b, gamma = nnls([(g, gm, o) for (g, gm), o in zip(feats, over)], ts)
             if a + b > 0:
-                return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma)
+                return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
         gamma = min([1.0] + [0.8 * t / o for t, o in zip(ts, over) if o > 0])
         a, b = nnls(feats, [t - gamma * o for t, o in zip(ts, over)])
-        return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma)
+        return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
 
 
 @dataclass(frozen=True)
@@ -246,6 +277,10 @@ class CostModel:
         dev, host = self.memory.predict(c)
         t, parts = self.time.predict(c)
         return Prediction(dev, host, t, parts)
+
+
+def _variant(c: Candidate) -> Tuple[int, bool, bool]:
+    return c.stage, c.offload_optimizer, c.offload_param
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

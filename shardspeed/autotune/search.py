@@ -114,6 +114,7 @@ class Tuner:
     config: Optional[AutotuningConfig] = None
     space: Optional[TuningSpace] = None
     prune_margin: float = 0.05  # prune only when predicted over budget by more than this share
+    unmeasured_margin: float = 0.25  # the same, for a stage no run has measured yet
     pair_margin: float = 0.10  # rerun a candidate and the best back to back when within this share
     progress: bool = True
     launch: Callable[[int, str, Sequence[str]], List[str]] = trial_command
@@ -121,6 +122,7 @@ class Tuner:
     _runs: List[Measurement] = field(default_factory=list)
     _trials: int = 0
     _t0: float = 0.0
+    stop_reason: str = ""
 
     def __post_init__(self) -> None:
         self._cfg_index, cfg_path = find_config_arg(self.script_args)
@@ -245,7 +247,8 @@ class Tuner:
 
     # ---- deciding ------------------------------------------------------------------------------------
     def _fits(self, model: CostModel, c: Candidate) -> bool:
-        return fits(model.predict(c), self.device_budget, self.host_budget, self.prune_margin)
+        margin = self.prune_margin if model.memory.measured(c) else self.unmeasured_margin
+        return fits(model.predict(c), self.device_budget, self.host_budget, margin)
 
     def _best(self) -> Optional[CandidateRecord]:
         ok = [r for r in self._records.values() if r.time_s is not None and r.status in ("ran", "best")]
@@ -279,15 +282,23 @@ class Tuner:
     def search(self, model: CostModel, bar: Any = None) -> CostModel:
         assert self.config is not None
         since_best = 0
-        while not self._out_of_budget() and since_best < self.config.tuner_early_stopping:
+        while True:
+            if self._out_of_budget():
+                self.stop_reason = "trial or time budget spent"
+                break
+            if since_best >= self.config.tuner_early_stopping:
+                self.stop_reason = f"early stopping: {since_best} trials without a new best"
+                break
             pending = [c for c in self.candidates if self._records[c].status == "not run" and self._fits(model, c)]
             if not pending:
+                self.stop_reason = "every candidate that fits has run"
                 break
             cand = self._order(model, pending)[0]
             best = self._best()
             if best is not None and self.config.tuner_type == "model_based":
                 if model.predict(cand).step_time_s * (1 - self._model_error(model)) >= (best.time_s or 0.0):
-                    break  # nothing left can beat the measured best, even at the model's worst error
+                    self.stop_reason = "no remaining prediction can beat the measured best"
+                    break
             res = self.run_candidate(cand)
             rec = self._records[cand]
             if res.ok and best is not None and rec.status == "ran" and rec.time_s is not None and best.time_s:
@@ -316,10 +327,10 @@ class Tuner:
                 rec.status = (f"pruned: memory {p.device_bytes / 1e9:.2f} GB > budget "
                               f"{self.device_budget / 1e9:.2f} GB" if p.device_bytes > self.device_budget
                               else "pruned: host memory over budget")
-            elif self._out_of_budget():
-                rec.status = "not run: trial or time budget spent"
-            else:
+            elif self.stop_reason.startswith("no remaining"):
                 rec.status = "not run: predicted slower than the best"
+            else:
+                rec.status = f"not run: {self.stop_reason}"
         if best is not None:
             best.status = "best"
         return best
@@ -346,7 +357,8 @@ class Tuner:
         wall = time.perf_counter() - self._t0
         header = (f"shardspeed autotune: {self.script} on {self.nproc} rank(s), global batch {self.global_batch}, "
                   f"device budget {self.device_budget / 1e9:.2f} GB/rank; {self._trials} trials in {wall:.0f} s "
-                  f"(calibration {calibration_s:.0f} s); best: {best.candidate.name if best else 'none'}")
+                  f"(calibration {calibration_s:.0f} s); stopped: {self.stop_reason or 'calibration failed'}; best: "
+                  f"{best.candidate.name if best else 'none'}")
         write_summary(self.results_dir, list(self._records.values()), header)
         if best is not None:
             with open(os.path.join(self.results_dir, best.candidate.name, "ds_config.json")) as f:
