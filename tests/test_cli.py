@@ -153,3 +153,10 @@ def test_autotune_usage_and_errors(capsys, tmp_path):
     script.write_text("")
     assert main(["run", "--autotuning", "tune", "--nproc", "1", str(script), "--lr", "1"]) == 2
     assert "--deepspeed_config" in capsys.readouterr().err
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"train_batch_size": 4, "autotuning": {"tuner_typ": "gridsearch"}}')
+    assert main(["autotune", str(script), "--deepspeed_config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "autotuning.tuner_typ" in err and "tuner_type" in err and err.count("\n") == 1
+    assert main(["autotune", str(script), "--deepspeed_config", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the config" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from shardspeed.config import AutotuningConfig
+from shardspeed.config import AutotuningConfig, parse_config
 from shardspeed.errors import ConfigError, ShardspeedError
 
 from .model import CostModel, LinkProfile, Measurement, ModelInfo, fits
@@ -126,10 +126,13 @@ class Tuner:
 
     def __post_init__(self) -> None:
         self._cfg_index, cfg_path = find_config_arg(self.script_args)
-        with open(cfg_path) as f:
-            self.user_config: Dict[str, Any] = json.load(f)
-        if self.config is None:
-            self.config = AutotuningConfig(**(self.user_config.get("autotuning") or {}))
+        try:
+            with open(cfg_path) as f:
+                self.user_config: Dict[str, Any] = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the config {cfg_path}: {e}") from None
+        if self.config is None:  # the whole config is checked here, before any trial runs
+            self.config = parse_config(self.user_config).autotuning
         at = self.config
         self.global_batch = user_global_batch(self.user_config, self.nproc)
         if at.max_train_batch_size is not None and self.global_batch > at.max_train_batch_size:
