@@ -150,6 +150,9 @@ def main(argv=None) -> int:
     rho = spearman([result.model.predict(c).step_time_s for c in ok], [grid[c]["step_time_s"] for c in ok])
     rho_fit = spearman([result.model.predict(c).step_time_s for c in fits], [fits[c]["step_time_s"] for c in fits])
     mem_err = [abs(result.model.predict(c).device_bytes - grid[c]["peak_memory"]) / grid[c]["peak_memory"] for c in ok]
+    # the box's noise: configs the tuner measured too, its mean step time over the grid's
+    repeat = {r.candidate.name: r.time_s / grid[r.candidate]["step_time_s"] for r in result.records
+              if r.time_s and grid[r.candidate]["step_time_s"]}
     out = {
         "model": {"n_embd": a.n_embd, "n_layer": a.n_layer, "block_size": a.block_size, "nproc": a.nproc,
                   "global_batch": a.global_batch},
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
         "pruned_for_memory": [c.name for c in pruned], "pruned_really_over": len(pruned_over) == len(pruned),
         "spearman_all": rho, "spearman_fitting": rho_fit,
         "memory_error_mean": sum(mem_err) / len(mem_err), "memory_error_max": max(mem_err),
+        "tuner_over_grid_step_time": repeat,
         "grid": [dict(r, predicted_step_s=result.model.predict(c).step_time_s,
                       predicted_memory=result.model.predict(c).device_bytes) for c, r in grid.items()],
     }

@@ -6,7 +6,7 @@ Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` ×
   on a CPU "device" the offloaded states stay in the same memory, so they count there too;
 - working buffers: the gradient bucket (stages 0-2) or two gathered units plus one unit's gradients
   (stage 3), and the optimizer step's fp32 temporaries over the rank's optimizer shard;
-- ``base`` (runtime, allocator, data; one per measured ZeRO stage) and ``act`` (activations and their
+- ``base`` (runtime, allocator, data; one per measured variant: stage and offloads) and ``act`` (activations and their
   gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
   every trial as it finishes).
 
@@ -118,14 +118,15 @@ def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
 class StateMemoryModel:
     """Model states (exact) + working buffers (structural) + fitted bases and activations per sample.
 
-    Each ZeRO stage that has been measured gets a base of its own (the engine's buffers differ by stage in
-    ways the structure above does not capture); a stage never measured uses the mean of the measured
-    bases, and :meth:`measured` tells the search to be more careful with it."""
+    Each variant (stage, optimizer offload, parameter offload) that has been measured gets a base of its
+    own (the engine's buffers and the allocator differ by variant in ways the structure above does not
+    capture); a variant never measured uses the mean base of its stage's measured variants, else of all,
+    and :meth:`measured` tells the search to be more careful with it."""
 
     info: ModelInfo
     base: float = 0.0
     act_per_sample: float = 0.0
-    stage_base: Tuple[Tuple[int, float], ...] = ()
+    variant_base: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
 
     def states(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of parameters, gradients and optimizer states."""
@@ -151,31 +152,37 @@ class StateMemoryModel:
         return c.micro_batch * (CHECKPOINTED_ACTIVATION_SHARE if c.activation_checkpointing else 1.0)
 
     def measured(self, c: Candidate) -> bool:
-        """Whether the candidate's stage has a measured base."""
-        return any(s == c.stage for s, _ in self.stage_base)
+        """Whether the candidate's variant has a measured base."""
+        return _variant(c) in dict(self.variant_base)
+
+    def _base(self, c: Candidate) -> float:
+        bases = dict(self.variant_base)
+        if _variant(c) in bases:
+            return bases[_variant(c)]
+        same_stage = [b for (s, _, _), b in bases.items() if s == c.stage]
+        return sum(same_stage) / len(same_stage) if same_stage else self.base
 
     def predict(self, c: Candidate) -> Tuple[float, float]:
         dev, host = self.states(c)
-        base = dict(self.stage_base).get(c.stage, self.base)
-        return base + dev + self.working(c) + self.act_per_sample * self.variable(c), host
+        return self._base(c) + dev + self.working(c) + self.act_per_sample * self.variable(c), host
 
     def fit(self, runs: Sequence[Measurement]) -> StateMemoryModel:
-        """Refit the bases (one per measured stage) and activations per sample from measured peaks."""
+        """Refit the bases (one per measured variant) and activations per sample from measured peaks."""
         ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
         if not ok:
             return self
-        stages = sorted({r.candidate.stage for r in ok})
+        keys = sorted({_variant(r.candidate) for r in ok})
         ys = [r.peak_memory - self.states(r.candidate)[0] - self.working(r.candidate) for r in ok]
         if len({self.variable(r.candidate) for r in ok}) < 2:  # activations cannot be told from the bases
             act = self.act_per_sample
-            bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if r.candidate.stage == s)
-                     / sum(1 for r in ok if r.candidate.stage == s) for s in stages]
+            bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if _variant(r.candidate) == k)
+                     / sum(1 for r in ok if _variant(r.candidate) == k) for k in keys]
         else:
-            rows = [[1.0 if r.candidate.stage == s else 0.0 for s in stages] + [self.variable(r.candidate)]
+            rows = [[1.0 if _variant(r.candidate) == k else 0.0 for k in keys] + [self.variable(r.candidate)]
                     for r in ok]
             *bases, act = nnls(rows, ys)
         return replace(self, base=sum(bases) / len(bases), act_per_sample=act,
-                       stage_base=tuple(zip(stages, bases)))
+                       variant_base=tuple(zip(keys, bases)))
 
 
 @dataclass(frozen=True)

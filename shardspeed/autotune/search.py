@@ -114,7 +114,7 @@ class Tuner:
     config: Optional[AutotuningConfig] = None
     space: Optional[TuningSpace] = None
     prune_margin: float = 0.05  # prune only when predicted over budget by more than this share
-    unmeasured_margin: float = 0.25  # the same, for a stage no run has measured yet
+    unmeasured_margin: float = 0.25  # the same, for a variant (stage, offloads) no run has measured yet
     pair_margin: float = 0.10  # rerun a candidate and the best back to back when within this share
     progress: bool = True
     launch: Callable[[int, str, Sequence[str]], List[str]] = trial_command
@@ -263,9 +263,11 @@ class Tuner:
         return min(max(sum(errs) / len(errs) if errs else 0.3, 0.05), 0.3)
 
     def _order(self, model: CostModel, pending: List[Candidate]) -> List[Candidate]:
+        """model_based: predicted to fit (no margin) first, then the uncertain band; fastest first in each."""
         assert self.config is not None
         if self.config.tuner_type == "model_based":
-            return sorted(pending, key=lambda c: model.predict(c).step_time_s)
+            return sorted(pending, key=lambda c: (not fits(model.predict(c), self.device_budget, self.host_budget),
+                                                  model.predict(c).step_time_s))
         if self.config.tuner_type == "random":
             return random.Random(0).sample(pending, len(pending))
         return pending
@@ -330,6 +332,8 @@ class Tuner:
                 rec.status = (f"pruned: memory {p.device_bytes / 1e9:.2f} GB > budget "
                               f"{self.device_budget / 1e9:.2f} GB" if p.device_bytes > self.device_budget
                               else "pruned: host memory over budget")
+            elif model is not None and not fits(model.predict(rec.candidate), self.device_budget, self.host_budget):
+                rec.status = "not run: memory uncertain (over budget by less than the margin; variant unmeasured)"
             elif self.stop_reason.startswith("no remaining"):
                 rec.status = "not run: predicted slower than the best"
             else:
