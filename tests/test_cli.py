@@ -160,3 +160,32 @@ def test_autotune_usage_and_errors(capsys, tmp_path):
     assert "autotuning.tuner_typ" in err and "tuner_type" in err and err.count("\n") == 1
     assert main(["autotune", str(script), "--deepspeed_config", str(tmp_path / "missing.json")]) == 2
     assert "cannot read the config" in capsys.readouterr().err
+
+
+def test_run_autotuning_run_trains_with_the_optimal_command(tmp_path, monkeypatch, capsys):
+    """`run --autotuning run`: tune (stubbed here), then `shardspeed run` with cmd_optimal.txt's arguments."""
+    import types
+
+    import shardspeed.autotune.search as search
+    import shardspeed.cli as cli
+
+    (tmp_path / "summary.txt").write_text("summary\n")
+    (tmp_path / "cmd_optimal.txt").write_text(
+        f"/usr/bin/python -m shardspeed.cli run --nproc 2 train.py --deepspeed_config {tmp_path}/ds_config_optimal.json\n")
+    seen = {}
+
+    class FakeTuner:
+        def __init__(self, script, args, nproc):
+            seen["tuner"] = (script, args, nproc)
+
+        def run(self):
+            return types.SimpleNamespace(results_dir=str(tmp_path), best=object())
+
+    monkeypatch.setattr(search, "Tuner", FakeTuner)
+    real_run = cli._cmd_run
+    monkeypatch.setattr(cli, "_cmd_run", lambda argv: seen.setdefault("run", list(argv)) and 0
+                        if argv and argv[0] != "--autotuning" else real_run(argv))
+    assert cli.main(["run", "--autotuning", "run", "--nproc", "2", "train.py", "--deepspeed_config", "c.json"]) == 0
+    assert seen["tuner"] == ("train.py", ["--deepspeed_config", "c.json"], 2)
+    assert seen["run"] == ["--nproc", "2", "train.py", "--deepspeed_config", f"{tmp_path}/ds_config_optimal.json"]
+    assert "summary" in capsys.readouterr().out
