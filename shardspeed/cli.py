@@ -1,7 +1,7 @@
 """The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``, ``consolidate`` (a sharded
 checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`), ``plot`` (the CSV monitor's
-loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`); ``autotune`` is not
-implemented yet.
+loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`), ``autotune`` (search the config:
+:mod:`shardspeed.autotune`; also ``shardspeed run --autotuning tune|run``, DeepSpeed's flag).
 
 ``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
 torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
@@ -142,7 +142,91 @@ def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
+def _split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
+    args, mode, i = list(argv), None, 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        name, eq, value = args[i].partition("=")
+        if name == "--autotuning":
+            if not eq:
+                if i + 1 >= len(args):
+                    raise UsageError("--autotuning needs a value: tune or run")
+                value = args.pop(i + 1)
+            args.pop(i)
+            if value not in ("tune", "run"):
+                raise UsageError(f"--autotuning must be tune or run, got {value!r}")
+            mode = value
+            continue
+        i += 1
+    return mode, args
+
+
+_AUTOTUNE_USAGE = """\
+usage: shardspeed autotune [--nproc N] script.py --deepspeed_config cfg.json [script args ...]
+       shardspeed run --autotuning tune|run [--nproc N] script.py --deepspeed_config cfg.json [...]
+
+Search ZeRO stage, micro-batch x gradient accumulation (the global batch is kept), offload and bucket
+sizes for script.py on N local ranks, reading the config's "autotuning" block (DeepSpeed's keys plus
+device_memory_budget, host_memory_budget, wall_time_budget, trial_timeout). Writes
+autotuning_results/ (one directory per trial, summary.txt, ds_config_optimal.json, cmd_optimal.txt).
+`run` then trains with the best config. See docs/autotuning.md.
+"""
+
+
+def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
+    """``shardspeed autotune`` (and ``run --autotuning``): tune, then optionally train with the winner."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_AUTOTUNE_USAGE)
+        return 0 if argv else 2
+    from .autotune.search import Tuner
+    from .errors import ShardspeedError
+
+    try:
+        torchrun_argv = build_torchrun_argv(argv)
+        nproc, i = 1, 0
+        while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):
+            name, eq, value = torchrun_argv[i].partition("=")
+            if _canonical(name) in ("--nproc-per-node",):
+                value = value if eq else torchrun_argv[i + 1]
+                if not value.isdigit():
+                    raise UsageError(f"--nproc must be a number of local ranks, got {value!r}")
+                nproc = int(value)
+            elif _canonical(name) == "--nnodes" and (value if eq else torchrun_argv[i + 1]) not in ("1", "1:1"):
+                raise UsageError("autotuning runs on one node: drop --nnodes")
+            i += 1 if eq or _torchrun_option_arity().get(name, 0) == 0 else 2
+        script, script_args = torchrun_argv[i], torchrun_argv[i + 1:]
+        result = Tuner(script, list(script_args), nproc=nproc).run()
+    except UsageError as e:
+        print(f"shardspeed autotune: error: {e}", file=sys.stderr)
+        return 2
+    except ShardspeedError as e:
+        print(f"shardspeed autotune: error: {e}", file=sys.stderr)
+        return 2
+    with open(os.path.join(result.results_dir, "summary.txt")) as f:
+        print(f.read())
+    if result.best is None:
+        print("shardspeed autotune: no candidate ran successfully within the budget; see summary.txt",
+              file=sys.stderr)
+        return 1
+    print(f"optimal config: {os.path.join(result.results_dir, 'ds_config_optimal.json')}")
+    if not then_run:
+        return 0
+    with open(os.path.join(result.results_dir, "cmd_optimal.txt")) as f:
+        import shlex
+
+        cmd = shlex.split(f.read())
+    run_at = cmd.index("run")  # python -m shardspeed.cli run ...
+    return _cmd_run(cmd[run_at + 1:])
+
+
 def _cmd_run(argv: Sequence[str]) -> int:
+    try:
+        mode, argv = _split_autotuning(argv)
+    except UsageError as e:
+        print(f"shardspeed run: error: {e}", file=sys.stderr)
+        return 2
+    if mode is not None:
+        return _autotune(argv, then_run=mode == "run")
     if not argv or argv[0] in ("-h", "--help"):
         print(_RUN_USAGE)
         print("torchrun options:")
@@ -303,14 +387,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_implemented(name: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"shardspeed {name}: not implemented yet", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
@@ -367,10 +443,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="the PNG to write (default: RUN_DIR's job directory/training.png)")
     p.set_defaults(func=_cmd_plot)
 
-    for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        p.set_defaults(func=_not_implemented(name))
+    # `autotune` is dispatched before argparse too (its arguments are torchrun's and the script's).
+    sub.add_parser("autotune", help="search ZeRO stage, micro-batch, offload and buckets (model-guided trials)",
+                   add_help=False)
     return parser
 
 
@@ -379,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         return _cmd_run(argv[1:])
+    if argv and argv[0] == "autotune":
+        return _autotune(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

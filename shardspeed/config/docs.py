@@ -42,7 +42,7 @@ Differences from DeepSpeed:
   group when `initialize` gets one). Tensor- and pipeline-parallel layers are not implemented yet:
   `autotp_size` > 1 gives replicas on the model dimension, `pipeline.stages` > 1 is refused.
 - Refused with a specific message: `amp` (use `bf16`/`fp16`), `elasticity`, features removed from
-  DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`, `autotuning`,
+  DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`,
   `data_efficiency`, `compile`, `expert_parallel`, `weight_quantization`, `torch_autocast`,
   `datastates`) unless they are `{"enabled": false}`.
 

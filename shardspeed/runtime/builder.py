@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..autotune.probe import build_profile_window
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
@@ -189,6 +190,7 @@ def build_engine(
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
+        profile_window=build_profile_window(cfg, master.units, topo.device),
     )
     if cfg.memory_breakdown:
         parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line

@@ -55,6 +55,7 @@ class EngineParts:
     flops_profiler: Any = None  # shardspeed.profiling.engine_profiler.StepFlopsProfiler (flops_profiler.enabled)
     extras: Dict[str, Any] = field(default_factory=dict)
     monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
+    profile_window: Any = None  # shardspeed.autotune.probe.ProfileWindow (autotuning.enabled: a tuner's trial)
 
 
 def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
@@ -338,6 +339,8 @@ class Engine(nn.Module):
                 self._flops_report()
             if self._p.monitor is not None:  # after the step timer stopped, as DeepSpeed writes them
                 self._p.monitor.after_step(self, self._timers)
+            if self._p.profile_window is not None:  # a tuner's trial: may write its metrics and exit
+                self._p.profile_window.after_step(self.global_steps, self.flops_per_step())
         self.micro_steps += 1
         self._boundary_override = None
 
