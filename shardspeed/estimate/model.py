@@ -79,17 +79,8 @@ def describe_gpt(cfg, config: Any = None, *, micro_batch: Optional[int] = None, 
                              fused_attention=True)
     spec = describe_module(model, config, name=f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", shape=shape)
     if micro_batch and trace:
-        s = seq_len or cfg.block_size
-
-        def build() -> nn.Module:
-            return GPT(cfg)
-
-        def batch(b: int):
-            x = torch.zeros(b, s, dtype=torch.long)
-            return (x, x)
-
-        spec = spec.with_activations(trace_activations(build, batch, micro_batch, seq_len=s, checkpointing=checkpointing,
-                                                       dtype=dtype or _train_dtype(config)))
+        spec = _with_traced_tokens(spec, lambda: GPT(cfg), micro_batch, seq_len or cfg.block_size, checkpointing,
+                                   dtype or _train_dtype(config))
     return spec
 
 
@@ -168,15 +159,21 @@ def describe_factory(target: str, config: Any = None, *, micro_batch: Optional[i
     shape = _shape_of(cfg)
     spec = describe_module(model, config, name=target, shape=shape)
     if micro_batch and trace and shape is not None:
-        s = seq_len or shape.max_seq
-
-        def batch(b: int):
-            x = torch.zeros(b, s, dtype=torch.long)
-            return (x, x)
-
-        spec = spec.with_activations(trace_activations(fn, batch, micro_batch, seq_len=s, checkpointing=checkpointing,
-                                                       dtype=dtype or _train_dtype(config)))
+        spec = _with_traced_tokens(spec, fn, micro_batch, seq_len or shape.max_seq, checkpointing,
+                                   dtype or _train_dtype(config))
     return spec
+
+
+def _with_traced_tokens(spec: ModelSpec, build: Callable[[], nn.Module], micro_batch: int, seq_len: int,
+                        checkpointing: bool, dtype: torch.dtype) -> ModelSpec:
+    """``spec`` with activations traced on a batch of token ids ``(x, x)`` (inputs and labels) of ``seq_len``."""
+
+    def batch(b: int):
+        x = torch.zeros(b, seq_len, dtype=torch.long)
+        return (x, x)
+
+    return spec.with_activations(trace_activations(build, batch, micro_batch, seq_len=seq_len,
+                                                   checkpointing=checkpointing, dtype=dtype))
 
 
 def _shape_of(cfg: Any) -> Optional[TransformerShape]:
