@@ -78,8 +78,9 @@ class PipelineEngine(Engine):
         module = parts.module
         assert isinstance(module, PipelineModule)
         self._chunks = [StageChunk(module, c, module.chunk_modules(c)) for c in range(module.num_chunks())]
-        self._train_cache = ScheduleCache(lambda m: self._make_schedule(m, train=True))
-        self._eval_cache = ScheduleCache(lambda m: self._make_schedule(m, train=False))
+        # torch's stages set up their buffers for backward or not on first use: one cache for each
+        self._train_cache = ScheduleCache(self._make_schedule)
+        self._eval_cache = ScheduleCache(self._make_schedule)
         self._losses: List[torch.Tensor] = []
         self._loss_factor = 1.0
         self.set_reshard_after_forward(False)  # stage 3: a stage's units stay gathered for the whole step
@@ -115,7 +116,7 @@ class PipelineEngine(Engine):
         return False  # gradients accumulate through the schedule; reduce_pending reduces at the boundary
 
     # ---- the schedule ------------------------------------------------------------------------------------
-    def _make_schedule(self, n_microbatches: int, train: bool):
+    def _make_schedule(self, n_microbatches: int):
         return build_schedule(self._pipe.schedule, self._chunks, self._pipe.stage_ids, self._pipe.total_stages,
                               n_microbatches, self._loss, self._pipe.pipe_comm.group, self.device)
 
