@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..parallel.tp.setup import setup_tensor_parallel, tp_size_for
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
 from ..zero.layout import group_by_size
@@ -114,7 +115,7 @@ def build_engine(
     if dist_init_required is not False:
         init_distributed()
     cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
-    topo = _topology(cfg, mpu)
+    topo = _topology(cfg, mpu, tp_size_for(model, int(cfg.tensor_parallel.autotp_size)))
     cfg = load_config(cfg, world_size=topo.dp_size)
     zero = cfg.zero_optimization
     stage = zero.stage
@@ -142,6 +143,12 @@ def build_engine(
     model.to(device=topo.device)
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
+    tp = cfg.tensor_parallel  # split the layers over the model group before ZeRO builds units of them
+    tp_state = setup_tensor_parallel(model, topo, comms_logger, preset_model=tp.preset_model,
+                                     partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
+                                     train_dtype=train_dtype)
+    if tp_state is not None:  # the user's parameter groups name the full parameters: point them at the slices
+        groups = [dict(g, params=[tp_state.report.replaced.get(id(p), p) for p in g["params"]]) for g in groups]
     _broadcast_module_state(model, collectives)
     comms_logger.reset()
 
@@ -188,6 +195,7 @@ def build_engine(
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
+        input_check=tp_state.input_check if tp_state is not None else None,
     )
     if cfg.memory_breakdown:
         parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
@@ -213,9 +221,10 @@ def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topolo
                              param_numel=lambda p: sizes.get(id(p), p.numel()), device=topo.device)
 
 
-def _topology(cfg: ShardspeedConfig, mpu) -> Topology:
-    """The mesh (pipe × data × model) from the config's sizes, or the groups of a user's mpu."""
-    stages, tp = cfg.pipeline.num_stages, cfg.tensor_parallel.size
+def _topology(cfg: ShardspeedConfig, mpu, tp: int) -> Topology:
+    """The mesh (pipe × data × model) from the config's sizes (``tp``: the model dimension), or the groups
+    of a user's mpu."""
+    stages = cfg.pipeline.num_stages
     if mpu is not None:
         topo = Topology.from_mpu(mpu)
         for key, want, got in (("pipeline.stages", stages, topo.pipe_size),
