@@ -174,10 +174,9 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        parallel_loss = getattr(self.lm_head, "vocab_parallel_loss", None)
-        if targets is not None and parallel_loss is not None:
-            # tensor parallelism: the loss from vocabulary-parallel logits, never gathered
-            return parallel_loss(self.ln_f(x), targets, ignore_index=-1)
+        if targets is not None and getattr(self.lm_head, "vocab_parallel", False):
+            # tensor parallelism: the head returns the loss from vocabulary-parallel logits, never gathered
+            return self.lm_head(self.ln_f(x), targets, ignore_index=-1)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -33,11 +33,17 @@ logger = logging.getLogger("shardspeed")
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """The LM head split by vocabulary. Called, it returns the gathered logits (any model's loss works on
-    them); :meth:`vocab_parallel_loss` gives the mean cross entropy without gathering them
-    (``shardspeed.models.GPT`` uses it when its head has it)."""
+    """The LM head split by vocabulary. ``head(x)`` returns the gathered logits (any model's loss works on
+    them); ``head(x, targets)`` returns the mean cross entropy without gathering them
+    (``shardspeed.models.GPT`` calls it so when its head has ``vocab_parallel``). Both go through the
+    module's call, so ZeRO-3's hooks gather the weight."""
 
-    def vocab_parallel_loss(self, x: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    vocab_parallel = True
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
         logits = self._matmul(self.parallel_input(x), self.bias)
         return mean_cross_entropy(logits, targets, self.group, ignore_index)
 
@@ -90,7 +96,7 @@ class _Converter:
     def convert(self, name: str, module: Any, rule: Rule, parent: nn.Module) -> nn.Module:
         g = self.group
         if rule.kind == "embedding":
-            check_divisible(name, "vocabulary size", module.weight.shape[0], g.size)
+            check_divisible(name, "the vocabulary size", module.weight.shape[0], g.size)
             if module.padding_idx is not None or module.max_norm is not None:
                 raise ConfigError(f"embedding '{name}': padding_idx/max_norm are not supported with tensor "
                                   f"parallelism")
@@ -100,7 +106,7 @@ class _Converter:
         if rule.kind in ("column", "qkv", "head"):
             self._check_heads(name, module, parent, rule, out_dim)
             if rule.kind == "head":
-                check_divisible(name, "vocabulary size (output features)", module.weight.shape[out_dim], g.size)
+                check_divisible(name, "the vocabulary size (output features)", module.weight.shape[out_dim], g.size)
             weight = self._param(name, module.weight, out_dim, rule.blocks)
             bias = None if module.bias is None else self._param(name + ".bias", module.bias, 0, rule.blocks)
             if rule.kind == "head":
@@ -188,7 +194,7 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
         _sequence_parallel_rest(model, group, tracker)
     for rule, n in counts.items():
         report.rules.append((rule.source, rule.pattern, rule.kind, n))
-        if group.rank == 0 or group.size == 1:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             logger.info("tensor parallel (%d ranks): %s pattern %r (%s): %d layer(s) sharded", group.size,
                         rule.source, rule.pattern, rule.kind, n)
     return report

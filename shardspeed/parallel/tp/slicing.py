@@ -50,7 +50,7 @@ class TPSlice:
 def check_divisible(layer: str, what: str, value: int, size: int) -> None:
     """A one-line error naming the layer and the sizes when ``size`` does not divide ``value``."""
     if value % size:
-        raise ConfigError(f"tensor_parallel.autotp_size {size} does not divide {what} {value} of layer '{layer}'; "
+        raise ConfigError(f"tensor_parallel.autotp_size {size} does not divide {what} ({value}) of layer '{layer}'; "
                           f"choose a size that divides it (or leave the layer replicated with a "
                           f"partition_config 'skip' spec)")
 
@@ -62,7 +62,7 @@ def make_slice(layer: str, full_shape: Sequence[int], dim: int, blocks: int, ran
         raise ConfigError(f"layer '{layer}': dimension {dim} of its weight {tuple(full_shape)} is not {blocks} equal "
                           f"fused blocks")
     what = f"dimension {dim} of its weight {tuple(full_shape)}" + (
-        f" ({blocks} fused blocks of {n // blocks})" if blocks > 1 else "")
+        f" in each of its {blocks} fused blocks" if blocks > 1 else "")
     check_divisible(layer, what, n // blocks, size)
     return TPSlice(tuple(int(s) for s in full_shape), dim, blocks, rank, size)
 
