@@ -72,6 +72,16 @@ class EngineView:
                 self.aliases[name] = first
         self._in_units = {id(prm) for u in self.units for prm in u.params}
 
+    def refuse_tensor_parallel(self, op: str) -> None:
+        """Sharded checkpoints do not record tensor-parallel slices yet: refuse rather than write (or read)
+        slices under the full tensors' names. The same on every rank."""
+        if any(getattr(p, "tp_slice", None) is not None for p in self.module.parameters()):
+            raise CheckpointError(
+                f"{op}: checkpoints of a tensor-parallel model (tensor_parallel.autotp_size "
+                f"{self.comm.topology.model_size}) are not implemented yet; export the full weights with "
+                f"engine.save_16bit_model(...) (stage 3: with stage3_gather_16bit_weights_on_model_save), which "
+                f"gathers the slices")
+
     # ---- offloaded optimizer state (offload_optimizer with Adam/AdamW: the tiled path) -----------------
     @property
     def offloaded(self) -> bool:
