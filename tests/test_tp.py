@@ -112,6 +112,18 @@ def test_rng_tracker_forks_and_restores():
     assert torch.equal(torch.get_rng_state(), before)  # the shared stream untouched
 
 
+def test_tp_model_init_merges_with_config():
+    import shardspeed
+    from shardspeed.parallel.tp.setup import tp_size_for
+
+    model = shardspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
+    assert (tp_size_for(model, 0), tp_size_for(model, 2), tp_size_for(torch.nn.Linear(2, 2), 0)) == (2, 2, 1)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.autotp_size 4 disagrees with tp_model_init\(tp_size=2\)"):
+        tp_size_for(model, 4)
+    with pytest.raises(ConfigError, match="tp_size must be a positive integer"):
+        shardspeed.tp_model_init(model, tp_size=0, dtype=torch.float32)
+
+
 def test_input_checksum_sees_permutations():
     from shardspeed.parallel.tp.inputs import input_checksum
 
@@ -152,8 +164,13 @@ def _errors():
             out[name] = None
         except ConfigError as exc:
             out[name] = str(exc)
-    # a loader sharded by global rank: the ranks of a tensor-parallel group get different batches
-    engine, *_ = shardspeed.initialize(model=make_tp_model("gpt"), config=tp_config(2, 1))
+    # tp_model_init instead of autotp_size; then a loader sharded by global rank: the ranks of a
+    # tensor-parallel group get different batches
+    cfg = tp_config(2, 1)
+    del cfg["tensor_parallel"]["autotp_size"]
+    engine, *_ = shardspeed.initialize(model=shardspeed.tp_model_init(make_tp_model("gpt"), 2, torch.float32),
+                                       config=cfg)
+    out["tp_model_init"] = (engine.mpu.get_tensor_model_parallel_world_size(), tuple(engine.module.wte.weight.shape))
     x, y = tp_batches(1)[0]
     r = dist.get_rank()
     try:
@@ -255,6 +272,7 @@ def test_bad_sizes_and_inputs(world4):
                           "a partition_config 'skip' spec)")
     assert e["vocab"].startswith("tensor_parallel.autotp_size 4 does not divide the vocabulary size (66) of layer 'wte'")
     assert e["world"] == "world 4 is not divisible by pipeline.stages 1 × tensor_parallel.autotp_size 3 = 3"
+    assert e["tp_model_init"] == (2, (32, 32))
     if HAS_HF:
         assert e["sp_hf"].startswith("tensor_parallel.sequence_parallel is implemented for shardspeed.models.GPT only")
     for rank, r in enumerate(world4["ranks"]):
