@@ -178,11 +178,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--time-only", action="store_true", help="skip the memory and bytes part")
+    ap.add_argument("--rounds", type=int, default=1, help="step-time rounds, the systems' order rotated each round")
     a = ap.parse_args()
     steps = a.steps or (3 if a.quick else 8)
     result: dict = {"memory_bytes": [], "step_time": []}
     print("== per-rank parameter memory and bytes per step (shardspeed.models.GPT, ZeRO 0, fp32) ==")
-    for t, sp in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+    for t, sp in () if a.time_only else ((1, False), (2, False), (4, False), (2, True), (4, True)):
         r = _run("_memory_and_bytes", t, t, sp, a.quick, steps)
         result["memory_bytes"].append(r)
         f = r["formula"]["bytes"]
@@ -195,12 +197,14 @@ def main() -> None:
         if extra and t > 1:
             print(f"    also logged: {sorted(extra)}")
     print("== step time, world 2, Llama-style model, ZeRO 0, fp32 ==")
-    for system in ("shardspeed", "deepspeed"):
-        for t in (1, 2):
+    runs = [(system, t) for system in ("shardspeed", "deepspeed") for t in (1, 2)]
+    for k in range(a.rounds):
+        for system, t in runs[k % len(runs):] + runs[:k % len(runs)]:
             try:
                 r = _run("_step_time", 2, system, t, a.quick, steps)
             except Exception as exc:  # say so rather than hide it
                 r = {"system": system, "tp": t, "error": str(exc).splitlines()[-1]}
+            r["round"] = k
             result["step_time"].append(r)
             if "error" in r:
                 print(f"{system:<11} TP {t}: did not run: {r['error']}")
@@ -209,7 +213,8 @@ def main() -> None:
                 print(f"{system:<11} TP {t}: {r['median_s'] * 1e3:8.1f} ms/step, {r['params_per_rank']} params/rank, "
                       f"loss {r['loss']:.4f}, MiB/step: {mib}")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", "bench_tp-quick.json" if a.quick else "bench_tp.json")
+    name = "bench_tp-quick" if a.quick else "bench_tp-time" if a.time_only else "bench_tp"
+    path = os.path.join(ROOT, "benchmarks", "results", name + ".json")
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     print("wrote", path)

@@ -1,6 +1,7 @@
 """Models, data and a plain-torch reference for the tensor-parallel tests (tests/test_tp.py)."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import torch
@@ -43,8 +44,10 @@ def lm_loss(kind: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, y) if kind == "gpt" else model(input_ids=x, labels=y).loss
 
 
+@functools.cache
 def tp_reference(kind: str, dtype: torch.dtype = torch.float32) -> Dict[str, object]:
-    """One process: AdamW (eps 1e-6) on fp32 masters of the model computing in ``dtype``, clipping."""
+    """One process: AdamW (eps 1e-6) on fp32 masters of the model computing in ``dtype``, clipping (computed
+    once per model and dtype; callers must not modify the result)."""
     model = make_tp_model(kind).to(dtype)
     masters = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     named = dict(model.named_parameters())
