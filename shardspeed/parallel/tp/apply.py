@@ -18,6 +18,7 @@ from .comm import TPGroup
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SharedInput,
     VocabParallelEmbedding,
     gather_output_along_sequence,
     mark_sequence_parallel_grad,
@@ -188,6 +189,7 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
         counts[rule] += 1
         report.sharded.append(name)
     report.replaced = conv.tied
+    _share_inputs(model)
     if strict:
         _check_strict(model, report)
     if conv.sp:
@@ -198,6 +200,22 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
             logger.info("tensor parallel (%d ranks): %s pattern %r (%s): %d layer(s) sharded", group.size,
                         rule.source, rule.pattern, rule.kind, n)
     return report
+
+
+#: Column-parallel siblings that read the same input, by leaf name (Llama-style attention and MLP).
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _share_inputs(model: nn.Module) -> None:
+    """Give column-parallel siblings one entry into the tensor-parallel region (see `SharedInput`)."""
+    for parent in model.modules():
+        for names in _SIBLINGS:
+            layers = [getattr(parent, n, None) for n in names]
+            cols = [m for m in layers if type(m) is ColumnParallelLinear]
+            if len(cols) > 1 and len({(m.sequence_parallel, m.group) for m in cols}) == 1:
+                shared = SharedInput()
+                for m in cols:
+                    m.shared_input = shared
 
 
 def _check_strict(model: nn.Module, report: TPReport) -> None:

@@ -61,6 +61,22 @@ class _TPLinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
+class SharedInput:
+    """Column-parallel siblings that read the same input (Llama's q/k/v projections, gate/up) enter the
+    tensor-parallel region once: the first call's entry (copy_to / gather_seq) is reused for the same
+    input tensor, so backward sums their input gradients locally and all-reduces once, not once each."""
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple] = None
+
+    def enter(self, x: torch.Tensor, enter_fn) -> torch.Tensor:
+        if self._last is not None and self._last[0] is x and self._last[2] == torch.is_grad_enabled():
+            return self._last[1]
+        y = enter_fn(x)
+        self._last = (x, y, torch.is_grad_enabled())
+        return y
+
+
 class ColumnParallelLinear(_TPLinearBase):
     """``y = x Wᵀ + b`` with W (and b) split by output features: each rank computes its columns of ``y``.
 
@@ -72,9 +88,13 @@ class ColumnParallelLinear(_TPLinearBase):
                  transposed: bool = False, gather_output: bool = False, sequence_parallel: bool = False):
         super().__init__(weight, bias, group, transposed, sequence_parallel)
         self.gather_output = gather_output
+        self.shared_input: Optional[SharedInput] = None  # set by the plan for siblings reading one input
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.gather_seq(x, self.group, SEQ_DIM) if self.sequence_parallel else comm.copy_to(x, self.group)
 
     def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.gather_seq(x, self.group, SEQ_DIM) if self.sequence_parallel else comm.copy_to(x, self.group)
+        return self._enter(x) if self.shared_input is None else self.shared_input.enter(x, self._enter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(self.parallel_input(x), self.bias)
