@@ -18,7 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
-from tp_models import full_params, local_params, make_tp_model, tp_batches, tp_config, tp_reference, train_tp
+from tp_models import (
+    CUSTOM_PLAN,
+    full_params,
+    local_params,
+    make_tp_model,
+    tp_batches,
+    tp_config,
+    tp_reference,
+    train_tp,
+)
 
 from shardspeed.errors import ConfigError, DistributedError
 
@@ -135,16 +144,21 @@ def test_input_checksum_sees_permutations():
 # ---- world 4 ----------------------------------------------------------------------------------------
 #: (model, tp, ZeRO stage, dtype, sequence parallel)
 CASES = [("gpt", 4, 0, "fp32", False), ("gpt", 2, 1, "fp32", False), ("gpt", 2, 2, "fp32", True),
-         ("gpt", 2, 3, "fp32", False), ("gpt", 4, 3, "fp32", True), ("gpt", 2, 2, "bf16", False)]
+         ("gpt", 2, 3, "fp32", False), ("gpt", 4, 3, "fp32", True), ("gpt", 2, 2, "bf16", False),
+         ("custom", 4, 2, "fp32", False)]
 HF_CASES = [("hf", 2, 2, "fp32", False), ("hf", 4, 0, "fp32", False), ("llama", 2, 1, "fp32", False)]
 
 
 def _case(kind, tp, stage, dtype, sp):
     import shardspeed
 
-    engine, *_ = shardspeed.initialize(model=make_tp_model(kind), config=tp_config(tp, stage, dtype, sp))
+    extra = {"partition_config": CUSTOM_PLAN} if kind == "custom" else {}
+    engine, *_ = shardspeed.initialize(model=make_tp_model(kind), config=tp_config(tp, stage, dtype, sp, **extra))
     losses, norms = train_tp(engine, kind)
-    return {"losses": losses, "norms": norms, "params": local_params(engine)}
+    out = {"losses": losses, "norms": norms, "params": local_params(engine)}
+    if kind == "custom":  # partition_config split exactly its two layers
+        out["sliced"] = sorted(n for n, p in engine.module.named_parameters() if hasattr(p, "tp_slice"))
+    return out
 
 
 def _errors():
@@ -240,6 +254,8 @@ def _check_case(case, per_rank):
     ref = tp_reference(kind, torch.bfloat16 if dtype == "bf16" else torch.float32)
     tol = 1e-5 if dtype == "fp32" else 2e-2
     got = per_rank[0]
+    if kind == "custom":
+        assert got["sliced"] == ["down.weight", "up.bias", "up.weight"]
     assert all(n > 0.05 for n in got["norms"]), f"{case}: clipping was not active: {got['norms']}"
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=0,
                                msg=lambda m: f"{case} losses: {m}")

@@ -10,6 +10,28 @@ VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 8
 LR, CLIP, EPS, STEPS = 1e-2, 0.05, 1e-6, 5
 
 
+class CustomLM(torch.nn.Module):
+    """A model no preset knows: split only by ``CUSTOM_PLAN`` (embedding and head stay replicated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+CUSTOM_PLAN = {"layer_specs": [{"patterns": [".*up\\.weight$"], "partition_type": "column"},
+                               {"patterns": [".*down$"], "partition_type": "row"}],
+               "use_default_specs": False}
+
+
 def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """``gpt`` (shardspeed.models.GPT), ``hf`` (Hugging Face GPT-2 from GPT2Config) or ``llama`` (tiny,
     grouped-query attention); dropout 0 unless overridden."""
@@ -19,6 +41,8 @@ def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
         cfg = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
         return GPT(GPTConfig(**{**cfg, **overrides}))
+    if kind == "custom":
+        return CustomLM()
     if kind == "hf":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -41,7 +65,7 @@ def tp_batches(steps: int = STEPS, seed: int = 1) -> List[Tuple[torch.Tensor, to
 
 
 def lm_loss(kind: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return model(x, y) if kind == "gpt" else model(input_ids=x, labels=y).loss
+    return model(x, y) if kind in ("gpt", "custom") else model(input_ids=x, labels=y).loss
 
 
 @functools.cache
