@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Tuple
 
-from . import comm, zero
+from . import checkpointing, comm, zero
 from .dist.init import init_distributed
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
 from .parallel.tp.setup import tp_model_init
@@ -53,5 +53,5 @@ def initialize(
 
 __all__ = [
     "initialize", "init_distributed", "ShardspeedError", "ConfigError", "DistributedError", "CheckpointError",
-    "LossScaleError", "__version__", "comm", "zero", "tp_model_init",
+    "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
 ]

@@ -1,7 +1,7 @@
 """The ``shardspeed`` command: ``run`` (torchrun), ``env``, ``estimate``, ``consolidate`` (a sharded
 checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`), ``plot`` (the CSV monitor's
-loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`); ``autotune`` is not
-implemented yet.
+loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`), ``autotune`` (search the config:
+:mod:`shardspeed.autotune`; also ``shardspeed run --autotuning tune|run``, DeepSpeed's flag).
 
 ``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
 torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
@@ -142,7 +142,91 @@ def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
+def _split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
+    args, mode, i = list(argv), None, 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        name, eq, value = args[i].partition("=")
+        if name == "--autotuning":
+            if not eq:
+                if i + 1 >= len(args):
+                    raise UsageError("--autotuning needs a value: tune or run")
+                value = args.pop(i + 1)
+            args.pop(i)
+            if value not in ("tune", "run"):
+                raise UsageError(f"--autotuning must be tune or run, got {value!r}")
+            mode = value
+            continue
+        i += 1
+    return mode, args
+
+
+_AUTOTUNE_USAGE = """\
+usage: shardspeed autotune [--nproc N] script.py --deepspeed_config cfg.json [script args ...]
+       shardspeed run --autotuning tune|run [--nproc N] script.py --deepspeed_config cfg.json [...]
+
+Search ZeRO stage, micro-batch x gradient accumulation (the global batch is kept), offload and bucket
+sizes for script.py on N local ranks, reading the config's "autotuning" block (DeepSpeed's keys plus
+device_memory_budget, host_memory_budget, wall_time_budget, trial_timeout). Writes
+autotuning_results/ (one directory per trial, summary.txt, ds_config_optimal.json, cmd_optimal.txt).
+`run` then trains with the best config. See docs/autotuning.md.
+"""
+
+
+def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
+    """``shardspeed autotune`` (and ``run --autotuning``): tune, then optionally train with the winner."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_AUTOTUNE_USAGE)
+        return 0 if argv else 2
+    from .autotune.search import Tuner
+    from .errors import ShardspeedError
+
+    try:
+        torchrun_argv = build_torchrun_argv(argv)
+        nproc, i = 1, 0
+        while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):
+            name, eq, value = torchrun_argv[i].partition("=")
+            if _canonical(name) in ("--nproc-per-node",):
+                value = value if eq else torchrun_argv[i + 1]
+                if not value.isdigit():
+                    raise UsageError(f"--nproc must be a number of local ranks, got {value!r}")
+                nproc = int(value)
+            elif _canonical(name) == "--nnodes" and (value if eq else torchrun_argv[i + 1]) not in ("1", "1:1"):
+                raise UsageError("autotuning runs on one node: drop --nnodes")
+            i += 1 if eq or _torchrun_option_arity().get(name, 0) == 0 else 2
+        script, script_args = torchrun_argv[i], torchrun_argv[i + 1:]
+        result = Tuner(script, list(script_args), nproc=nproc).run()
+    except UsageError as e:
+        print(f"shardspeed autotune: error: {e}", file=sys.stderr)
+        return 2
+    except ShardspeedError as e:
+        print(f"shardspeed autotune: error: {e}", file=sys.stderr)
+        return 2
+    with open(os.path.join(result.results_dir, "summary.txt")) as f:
+        print(f.read())
+    if result.best is None:
+        print("shardspeed autotune: no candidate ran successfully within the budget; see summary.txt",
+              file=sys.stderr)
+        return 1
+    print(f"optimal config: {os.path.join(result.results_dir, 'ds_config_optimal.json')}")
+    if not then_run:
+        return 0
+    with open(os.path.join(result.results_dir, "cmd_optimal.txt")) as f:
+        import shlex
+
+        cmd = shlex.split(f.read())
+    run_at = cmd.index("run")  # python -m shardspeed.cli run ...
+    return _cmd_run(cmd[run_at + 1:])
+
+
 def _cmd_run(argv: Sequence[str]) -> int:
+    try:
+        mode, argv = _split_autotuning(argv)
+    except UsageError as e:
+        print(f"shardspeed run: error: {e}", file=sys.stderr)
+        return 2
+    if mode is not None:
+        return _autotune(argv, then_run=mode == "run")
     if not argv or argv[0] in ("-h", "--help"):
         print(_RUN_USAGE)
         print("torchrun options:")
@@ -226,6 +310,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from shardspeed.errors import ConfigError
     from shardspeed.memory_estimate import estimate_model_state_memory
 
+    if args.params is None:
+        from shardspeed.estimate.cli import peak_command, wants_peak
+
+        try:
+            if wants_peak(args):
+                return peak_command(args)
+        except ConfigError as e:
+            print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+            return 2
     if args.params is not None:
         try:
             n = parse_count(args.params)
@@ -239,13 +332,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from shardspeed.models import GPT, GPTConfig
 
         try:
-            cfg = GPTConfig.preset(args.model)
+            cfg = GPTConfig.preset(args.model or args.preset)
         except ValueError as e:
             print(f"shardspeed estimate: error: {e}", file=sys.stderr)
             return 2
         with torch.device("meta"):  # shapes only, no memory
             n = GPT(cfg).num_params()
-        source = f"GPT preset {args.model!r}: {n:,} parameters"
+        source = f"GPT preset {args.model or args.preset!r}: {n:,} parameters"
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     rows = []
     try:
@@ -294,14 +387,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_implemented(name: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"shardspeed {name}: not implemented yet", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
@@ -314,13 +399,30 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="print versions and the devices and backends available")
     p.set_defaults(func=_cmd_env)
 
-    p = sub.add_parser("estimate", help="per-rank memory of model states for each ZeRO stage")
+    p = sub.add_parser("estimate", help="per-rank memory: model states, or the training peak with activations",
+                       description="Without --micro-batch: model states per rank for each ZeRO stage. With "
+                                   "--micro-batch (or a --config that sets train_micro_batch_size_per_gpu): the "
+                                   "per-rank PEAK of a training step (model states, gradient buckets, stage-3 "
+                                   "gathered units, activations traced on fake tensors, start-up) by stage x "
+                                   "offload. Nothing is allocated: models are built on the meta device.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", help="number of parameters, e.g. 1.3B, 125M, 7.5e9")
-    src.add_argument("--model", help="a GPT preset: tiny, small, gpt2-50m, gpt2-1.3b")
-    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    src.add_argument("--params", help="number of parameters, e.g. 1.3B, 125M, 7.5e9 (model states only)")
+    src.add_argument("--model", help="a GPT preset (tiny, small, gpt2-50m, gpt2-1.3b) or a factory pkg.module:function")
+    src.add_argument("--preset", help="a GPT preset: tiny, small, gpt2-50m, gpt2-1.3b")
+    src.add_argument("--hf-config", help="a Hugging Face config.json (or its directory); needs transformers")
+    p.add_argument("--config", help="a DeepSpeed/shardspeed JSON config: its precision, ZeRO and offload settings, "
+                                    "buckets and micro-batch are used (stage and offload vary over the table)")
+    p.add_argument("--world", type=int, default=1, help="ranks (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one ZeRO stage (default: all)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="training dtype when no --config says (default bf16)")
+    p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step: estimate the training peak")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's positions)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--zero-init", action="store_true", help="the model is built under shardspeed.zero.Init")
+    p.add_argument("--no-trace", action="store_true", help="activations from the formulas, not a traced step")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
     p.add_argument("--offload-param", action="store_true", help="parameters in host memory (stage 3)")
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
@@ -341,10 +443,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="the PNG to write (default: RUN_DIR's job directory/training.png)")
     p.set_defaults(func=_cmd_plot)
 
-    for name, text in (("autotune", "search batch size and ZeRO settings (not implemented yet)"),):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        p.set_defaults(func=_not_implemented(name))
+    # `autotune` is dispatched before argparse too (its arguments are torchrun's and the script's).
+    sub.add_parser("autotune", help="search ZeRO stage, micro-batch, offload and buckets (model-guided trials)",
+                   add_help=False)
     return parser
 
 
@@ -353,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         return _cmd_run(argv[1:])
+    if argv and argv[0] == "autotune":
+        return _autotune(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,5 +1,8 @@
 """Per-rank memory of model states under ZeRO (the ZeRO paper's arithmetic), as a pure function.
 
+The per-rank training peak (activations, buckets, gathered units, start-up) is :mod:`shardspeed.estimate`;
+``estimate_peak``, ``describe`` and friends are importable from here too.
+
 Model states are parameters, gradients and optimizer states; activations, communication buffers,
 padding and the allocator's fragmentation come on top and are not counted here.
 
@@ -98,3 +101,16 @@ def estimate_model_state_memory(
         params_host=params_host,
         optimizer_host=optim_host,
     )
+
+
+_PEAK_NAMES = ("ActivationProfile", "ModelSpec", "PeakEstimate", "describe", "describe_module", "estimate_peak")
+
+
+def __getattr__(name: str):
+    """The per-rank peak estimator (``shardspeed.estimate``) under this module's name too, imported on first use
+    (it needs torch; the model-state arithmetic above does not)."""
+    if name in _PEAK_NAMES:
+        from . import estimate
+
+        return getattr(estimate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -144,7 +144,48 @@ def test_env_prints_torch_version(capsys):
     assert "gloo" in out and "cuda available" in out
 
 
-@pytest.mark.parametrize("command", ["autotune"])
-def test_unimplemented_commands_exit_2(command, capsys):
-    assert main([command]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_autotune_usage_and_errors(capsys, tmp_path):
+    assert main(["autotune"]) == 2
+    assert "usage: shardspeed autotune" in capsys.readouterr().out
+    assert main(["run", "--autotuning", "bogus", "x.py"]) == 2
+    assert "--autotuning must be tune or run" in capsys.readouterr().err
+    script = tmp_path / "x.py"
+    script.write_text("")
+    assert main(["run", "--autotuning", "tune", "--nproc", "1", str(script), "--lr", "1"]) == 2
+    assert "--deepspeed_config" in capsys.readouterr().err
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"train_batch_size": 4, "autotuning": {"tuner_typ": "gridsearch"}}')
+    assert main(["autotune", str(script), "--deepspeed_config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "autotuning.tuner_typ" in err and "tuner_type" in err and err.count("\n") == 1
+    assert main(["autotune", str(script), "--deepspeed_config", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the config" in capsys.readouterr().err
+
+
+def test_run_autotuning_run_trains_with_the_optimal_command(tmp_path, monkeypatch, capsys):
+    """`run --autotuning run`: tune (stubbed here), then `shardspeed run` with cmd_optimal.txt's arguments."""
+    import types
+
+    import shardspeed.autotune.search as search
+    import shardspeed.cli as cli
+
+    (tmp_path / "summary.txt").write_text("summary\n")
+    (tmp_path / "cmd_optimal.txt").write_text(
+        f"/usr/bin/python -m shardspeed.cli run --nproc 2 train.py --deepspeed_config {tmp_path}/ds_config_optimal.json\n")
+    seen = {}
+
+    class FakeTuner:
+        def __init__(self, script, args, nproc):
+            seen["tuner"] = (script, args, nproc)
+
+        def run(self):
+            return types.SimpleNamespace(results_dir=str(tmp_path), best=object())
+
+    monkeypatch.setattr(search, "Tuner", FakeTuner)
+    real_run = cli._cmd_run
+    monkeypatch.setattr(cli, "_cmd_run", lambda argv: seen.setdefault("run", list(argv)) and 0
+                        if argv and argv[0] != "--autotuning" else real_run(argv))
+    assert cli.main(["run", "--autotuning", "run", "--nproc", "2", "train.py", "--deepspeed_config", "c.json"]) == 0
+    assert seen["tuner"] == ("train.py", ["--deepspeed_config", "c.json"], 2)
+    assert seen["run"] == ["--nproc", "2", "train.py", "--deepspeed_config", f"{tmp_path}/ds_config_optimal.json"]
+    assert "summary" in capsys.readouterr().out

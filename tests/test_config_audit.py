@@ -69,7 +69,9 @@ HARMLESS_NO_OPS = {
     "zero_optimization.offload_optimizer.fast_init": "NVMe initialisation speed",
     "zero_optimization.offload_optimizer.super_offload": "Superchip offload path (performance)",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "CPU Adam threads (performance)",
-    "activation_checkpointing.number_checkpoints": "a sizing hint; the API's behaviour keys are refused",
+    "autotuning.model_info_path": "DeepSpeed's profile-run output; the metrics file carries num_params",
+    "autotuning.model_info": "DeepSpeed's hints for its tuner; the calibration runs measure the model",
+    "autotuning.num_tuning_micro_batch_sizes": "every micro-batch in range is predicted (a superset)",
     "aio.use_gds": "GPUDirect Storage (performance)",
     "tensor_parallel.dtype": "applies to tensor-parallel layers (refused when asked for)",
     "tensor_parallel.tp_overlap_comm": "applies to tensor-parallel layers (refused when asked for)",
@@ -153,7 +155,7 @@ def _keys_marked(marker: str):
 
 def test_enabled_blocks_found():
     assert {"fp16", "bf16", "comms_logger", "tensorboard", "csv_monitor", "wandb", "comet",
-            "flops_profiler"} <= set(ENABLED_BLOCKS)
+            "flops_profiler", "activation_checkpointing"} <= set(ENABLED_BLOCKS)
 
 
 @pytest.mark.parametrize("block", ENABLED_BLOCKS)
@@ -232,8 +234,7 @@ NOT_IMPLEMENTED = _keys_marked("not_implemented")
 
 def test_not_implemented_keys_found():
     keys = {dotted for dotted, _, _ in NOT_IMPLEMENTED}
-    assert {"activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
-            "zero_optimization.zero_quantized_gradients", "bf16.bf16_master_weights_and_grads",
+    assert {"zero_optimization.zero_quantized_gradients", "bf16.bf16_master_weights_and_grads",
             "data_types.param_dtype"} <= keys
 
 
@@ -295,11 +296,13 @@ def test_disabled_blocks_at_defaults_load():
     load_config(dict(BASE, activation_checkpointing={"partition_activations": False, "cpu_checkpointing": False,
                                                       "contiguous_memory_optimization": False,
                                                       "number_checkpoints": 4,
-                                                      "synchronize_checkpoint_boundary": False, "profile": False},
+                                                      "synchronize_checkpoint_boundary": False, "profile": False,
+                                                      "enabled": False},
                      zero_optimization={"stage": 2, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
                                         "zero_quantized_gradients": False},
                      bf16={"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
-                     **{b: {"enabled": False} for b in ENABLED_BLOCKS if b not in ("fp16", "bf16")}))
+                     **{b: {"enabled": False} for b in ENABLED_BLOCKS
+                        if b not in ("fp16", "bf16", "activation_checkpointing")}))
 
 
 def test_dump_state_and_memory_breakdown_log(caplog, process_group):

@@ -2,6 +2,7 @@
 
 `load_config(config, world_size)` is the entry point; see docs/config.md for every key.
 """
+from .autotuning import AutotuningConfig
 from .base import ConfigModel
 from .batch import resolve_batch_sizes
 from .blocks import (
@@ -33,5 +34,5 @@ __all__ = [
     "OptimizerConfig", "SchedulerConfig", "CheckpointConfig", "ParallelWriteConfig",
     "CommsLoggerConfig", "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig", "CometConfig",
     "FlopsProfilerConfig", "ActivationCheckpointingConfig", "AioConfig", "PipelineConfig", "TensorParallelConfig",
-    "IMPLEMENTED_BLOCKS",
+    "IMPLEMENTED_BLOCKS", "AutotuningConfig",
 ]

@@ -128,27 +128,55 @@ class FlopsProfilerConfig(ConfigModel):
     output_file: Optional[str] = field(None, "File for the report; None means stdout.")
 
 
-_ACT_CKPT = ("DeepSpeed's activation-checkpointing API (deepspeed.checkpointing; use torch.utils.checkpoint in "
-             "the model)")
-
-
 class ActivationCheckpointingConfig(ConfigModel):
-    """`activation_checkpointing`: options of DeepSpeed's activation-checkpointing API
-    (`deepspeed.checkpointing.checkpoint`), which shardspeed does not provide yet: checkpoint activations
-    with `torch.utils.checkpoint` inside the model. The block loads at its defaults; a key that asks for
-    behaviour is refused."""
+    """`activation_checkpointing`: DeepSpeed's activation-checkpointing settings, read by
+    `shardspeed.checkpointing` (`checkpoint(function, *args)`; the engine configures it from this block,
+    as `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)` would). Our extension: `enabled`
+    wraps every transformer block of the model in that checkpoint function (as
+    `engine.enable_activation_checkpointing()` does), with the recompute `policy` given. See
+    docs/activation-checkpointing.md."""
 
-    partition_activations: bool = field(False, "Shard checkpointed activations across model-parallel ranks.",
-                                        not_implemented=_ACT_CKPT)
-    number_checkpoints: Optional[int] = field(None, "Number of checkpoints, when known (a sizing hint for "
-                                              "contiguous_memory_optimization).", ge=0, ignored=True)
-    contiguous_memory_optimization: bool = field(False, "Copy checkpoints into a contiguous buffer.",
-                                                 not_implemented=_ACT_CKPT)
-    synchronize_checkpoint_boundary: bool = field(False, "Synchronise the device at each checkpoint.",
-                                                  not_implemented=_ACT_CKPT)
-    profile: bool = field(False, "Time the checkpointing functions.", not_implemented=_ACT_CKPT)
-    cpu_checkpointing: bool = field(False, "Offload partitioned activations to CPU.",
-                                    not_implemented=_ACT_CKPT)
+    enabled: bool = field(False, "shardspeed: checkpoint every transformer block of the model when the engine "
+                          "is built (shardspeed.models.GPT's blocks, a Hugging Face model's layers through its "
+                          "gradient_checkpointing_enable, or the repeated blocks of a ModuleList); false leaves "
+                          "the model as it is (its own calls to shardspeed.checkpointing.checkpoint still use "
+                          "the keys below).")
+    policy: Literal["full", "selective"] = field(
+        "full", "shardspeed: what a checkpointed block keeps. \"full\": only its inputs, everything else is "
+        "recomputed in backward; \"selective\": also the outputs of matrix multiplies and attention, "
+        "recomputing only the cheap elementwise ops (norms, activations, dropout).")
+    partition_activations: bool = field(False, "Split each checkpoint's saved inputs over the tensor-parallel "
+                                        "(model) group, each rank keeping 1/model_size; all-gathered before the "
+                                        "recompute. With a model group of 1 there is nothing to split.")
+    number_checkpoints: Optional[int] = field(None, "How many checkpoints one forward stores (the number of "
+                                              "checkpointed blocks): sizes the buffers of "
+                                              "contiguous_memory_optimization, which requires it.", ge=1)
+    contiguous_memory_optimization: bool = field(False, "Copy the partitioned checkpoints into one preallocated "
+                                                 "buffer per input position (number_checkpoints slots) instead of "
+                                                 "one allocation each, against fragmentation. Requires "
+                                                 "partition_activations and number_checkpoints.")
+    synchronize_checkpoint_boundary: bool = field(False, "Synchronise the device at the start and end of each "
+                                                  "checkpoint's forward and backward (CUDA; nothing to wait "
+                                                  "for on CPU).")
+    profile: bool = field(False, "Time each checkpoint's forward and backward (recompute included) and log them "
+                          "(rank 0, logger shardspeed.checkpointing); totals in "
+                          "shardspeed.checkpointing.profile_totals().")
+    cpu_checkpointing: bool = field(False, "Keep the checkpoints' saved inputs (the partitions, with "
+                                    "partition_activations) in host memory, pinned on CUDA, and copy them back "
+                                    "for the recompute. On a CPU device they are there already (a no-op, logged "
+                                    "once).")
+
+    @model_validator(mode="after")
+    def _contiguous_needs(self) -> ActivationCheckpointingConfig:
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise PydanticCustomError(
+                "contiguous", "'{key}' needs partition_activations: true (the buffers hold the partitions, as in "
+                "DeepSpeed); enable it or remove the key", {"key": "contiguous_memory_optimization"})
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise PydanticCustomError(
+                "contiguous", "'{key}' needs number_checkpoints (how many checkpointed blocks one forward runs) "
+                "to size its buffers; set it", {"key": "contiguous_memory_optimization"})
+        return self
 
 
 class CommsLoggerConfig(ConfigModel):

@@ -27,9 +27,9 @@ Differences from DeepSpeed:
   change neither the results nor what a run writes (DeepSpeed performance knobs, legacy flags);
   setting one to a non-default value logs a warning. Keys marked *only the default* are errors when
   set otherwise, and keys marked *not implemented yet* (features a user turns on expecting behaviour:
-  DeepSpeed's activation-checkpointing API, ZeRO++, 16-bit master weights, parameter and buffer dtype
-  casts) are refused with a `ConfigError` naming the key unless they hold their default, so a DeepSpeed
-  config that merely carries them at their defaults loads. Blocks with an `enabled` key are
+  ZeRO++, 16-bit master weights, parameter and buffer dtype casts) are refused with a `ConfigError`
+  naming the key unless they hold their default, so a DeepSpeed config that merely carries them at
+  their defaults loads. Blocks with an `enabled` key are
   implemented (`shardspeed.config.IMPLEMENTED_BLOCKS`) or refused when enabled; a test checks this.
 - `"auto"` (written by Hugging Face) is resolved where it can be: the batch trio is derived from the
   other two and the world size, `gradient_clipping` becomes 1.0, bucket sizes and thresholds their
@@ -42,7 +42,7 @@ Differences from DeepSpeed:
   group when `initialize` gets one). Tensor- and pipeline-parallel layers are not implemented yet:
   `autotp_size` > 1 gives replicas on the model dimension, `pipeline.stages` > 1 is refused.
 - Refused with a specific message: `amp` (use `bf16`/`fp16`), `elasticity`, features removed from
-  DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`, `autotuning`,
+  DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`,
   `data_efficiency`, `compile`, `expert_parallel`, `weight_quantization`, `torch_autocast`,
   `datastates`) unless they are `{"enabled": false}`.
 

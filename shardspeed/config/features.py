@@ -16,11 +16,15 @@ IMPLEMENTED_BLOCKS: Dict[str, str] = {
     "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
     "bf16": "bf16 training (runtime.builder: train dtype)",
     "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
+    "activation_checkpointing": "shardspeed.checkpointing: the builder configures it from the block and, when "
+                                "enabled, checkpoints every transformer block (checkpointing.wrap)",
     "tensorboard": "the TensorBoard monitor (monitor.tensorboard)",
     "csv_monitor": "the CSV monitor (monitor.csv_monitor)",
     "wandb": "the Weights & Biases monitor (monitor.wandb)",
     "comet": "the Comet monitor (monitor.comet)",
     "flops_profiler": "the step flops profiler (profiling.engine_profiler, runtime.builder._flops_profiler)",
+    "autotuning": "a trial's profile window (autotune.probe: measure, write metric_path, exit); "
+                  "`shardspeed autotune` (autotune.search)",
 }
 
 __all__ = ["IMPLEMENTED_BLOCKS"]

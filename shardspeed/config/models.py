@@ -8,6 +8,7 @@ import torch
 from pydantic import PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .autotuning import AutotuningConfig
 from .base import AUTO_DEFAULT, ConfigModel, field
 from .blocks import (
     ActivationCheckpointingConfig,
@@ -39,7 +40,7 @@ _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
 _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove the block"
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
-_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "autotuning", "data_efficiency", "compile", "expert_parallel",
+_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile", "expert_parallel",
                          "weight_quantization", "torch_autocast", "datastates")
 
 
@@ -108,6 +109,8 @@ class ShardspeedConfig(ConfigModel):
                                      "(`stages` sizes the mesh's pipe dimension).")
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, description="Tensor "
                                                   "parallelism (`autotp_size` sizes the mesh's model dimension).")
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig, description="Autotuning "
+                                         "(`shardspeed autotune`) and a trial's profiling.")
     # Accepted for compatibility, not acted on.
     seq_parallel_communication_data_type: Optional[DtypeName] = field(
         "fp32", "DeepSpeed: gradient dtype of sequence-parallel collectives.", ignored=True)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..autotune.probe import build_profile_window
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
@@ -139,6 +140,7 @@ def build_engine(
             f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
             f"zero_optimization.stage 3; the config says stage {stage}"
         )
+    _activation_checkpointing(cfg, model, topo, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if train_dtype != torch.float32:
@@ -196,6 +198,7 @@ def build_engine(
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,
+        profile_window=build_profile_window(cfg, master.units, topo.device),
     )
     if cfg.memory_breakdown:
         parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
@@ -204,6 +207,20 @@ def build_engine(
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
     return engine
+
+
+def _activation_checkpointing(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log: CommsLogger) -> None:
+    """``activation_checkpointing``: configure shardspeed.checkpointing from the block (its keys, the mesh's
+    tensor-parallel group) when the config has the block or nothing configured it yet, so a configure() the
+    user called before initialize survives a config without the block; ``enabled`` also checkpoints every
+    transformer block of the model."""
+    from ..checkpointing import CheckpointSettings, apply, checkpoint_blocks, is_configured, model_group_comm
+
+    block = cfg.activation_checkpointing
+    if "activation_checkpointing" in cfg.model_fields_set or not is_configured():
+        apply(CheckpointSettings.from_config(block), model_group_comm(topo, log))
+    if block.enabled:
+        checkpoint_blocks(model, policy=block.policy)
 
 
 def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topology):

@@ -9,7 +9,7 @@ import logging
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ class EngineParts:
     extras: Dict[str, Any] = field(default_factory=dict)
     monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
     input_check: Any = None  # tensor parallelism: checks the first forwards' inputs agree over the model group
+    profile_window: Any = None  # shardspeed.autotune.probe.ProfileWindow (autotuning.enabled: a tuner's trial)
 
 
 def _move_inputs(obj, device: torch.device, dtype: torch.dtype):
@@ -275,6 +276,25 @@ class Engine(nn.Module):
         if self._p.param_manager is not None:
             self._p.param_manager.set_reshard_after_forward(reshard, modules)
 
+    def enable_activation_checkpointing(self, policy: Optional[str] = None,
+                                        block_types: Optional[Sequence[Type[nn.Module]]] = None) -> int:
+        """Checkpoint every transformer block of the module with ``shardspeed.checkpointing.checkpoint``:
+        ``shardspeed.models.GPT``'s blocks, a Hugging Face model's layers (through its own
+        ``gradient_checkpointing_enable``), the modules of ``block_types``, or else the repeated blocks of
+        the model's largest ``ModuleList``. ``policy``: "full" (keep each block's input only) or "selective"
+        (also matmul and attention outputs); None: the config's ``activation_checkpointing.policy``. Works
+        at every ZeRO stage. Returns how many blocks are checkpointed. Config switch:
+        ``activation_checkpointing.enabled``."""
+        from ..checkpointing import checkpoint_blocks
+
+        return len(checkpoint_blocks(self.module, policy=policy, block_types=block_types))
+
+    def disable_activation_checkpointing(self) -> int:
+        """Undo :meth:`enable_activation_checkpointing`; returns how many blocks were restored."""
+        from ..checkpointing import uncheckpoint_blocks
+
+        return uncheckpoint_blocks(self.module)
+
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         with self._timers("forward"), self._flops_scope("forward"):
@@ -322,6 +342,8 @@ class Engine(nn.Module):
                 self._flops_report()
             if self._p.monitor is not None:  # after the step timer stopped, as DeepSpeed writes them
                 self._p.monitor.after_step(self, self._timers)
+            if self._p.profile_window is not None:  # a tuner's trial: may write its metrics and exit
+                self._p.profile_window.after_step(self.global_steps, self.flops_per_step())
         self.micro_steps += 1
         self._boundary_override = None
 

@@ -240,6 +240,9 @@ class ParamManager:
     # ---- hooks -------------------------------------------------------------------------------------
     def _make_pre_forward(self, indices: List[int]):
         def hook(module, args):
+            if _recomputing():
+                self._pre_recompute(indices)
+                return
             for i in indices:
                 self._refs[i] += 1
                 self._uses_seen += 1
@@ -260,6 +263,8 @@ class ParamManager:
 
     def _make_post_forward(self, indices: List[int]):
         def hook(module, args, output):
+            if _recomputing():
+                return output  # the unit stays gathered for the backward that follows (released by it)
             for i in indices:
                 self._refs[i] -= 1
                 if self._refs[i] == 0 and not self._needed_again_soon(i, module):
@@ -273,6 +278,17 @@ class ParamManager:
             return output
 
         return hook
+
+    def _pre_recompute(self, indices: List[int]) -> None:
+        """A forward hook inside a backward: activation checkpointing recomputes the module. Gather what is not
+        gathered yet (the unit's pre-backward hook usually did) and count nothing: the recompute is not a use
+        of the forward's plan, holds no reference, and may stop before the module's end (torch's early stop),
+        so its post-forward hook may never run. The unit is released as in any backward, once its gradients
+        are in (or at the end of the backward)."""
+        if not self._in_backward:
+            self.begin_backward()
+        for i in indices:
+            self._gather(i)
 
     def _pre_backward(self, indices: List[int]) -> None:
         if not self._in_backward:
@@ -350,6 +366,12 @@ def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None
                 stacklevel=3,
             )
             return
+
+
+def _recomputing() -> bool:
+    """A module's forward runs while autograd executes a backward: only activation checkpointing does that
+    (reentrant or not). The same test as FSDP2's ``is_bw``."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _within(module: nn.Module, ancestor: nn.Module) -> bool:

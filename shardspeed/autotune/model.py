@@ -1,0 +1,323 @@
+"""The cost model: per-rank peak memory and optimizer-step time of a candidate (pure; no process group).
+
+Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` × micro-batch:
+
+- model states: :func:`shardspeed.memory_estimate.estimate_model_state_memory` (exact ZeRO arithmetic);
+  on a CPU "device" the offloaded states stay in the same memory, so they count there too;
+- working buffers: the gradient bucket (stages 0-2) or two gathered units plus one unit's gradients
+  (stage 3), and the optimizer step's fp32 temporaries over the rank's optimizer shard;
+- ``base`` (runtime, allocator, data; one per measured variant: stage and offloads) and ``act`` (activations and their
+  gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
+  every trial as it finishes).
+
+Any other memory estimator can stand in through :class:`MemoryModel` (the full estimator of activations
+and buffers, when it lands, replaces the fitted part).
+
+Step time (seconds per optimizer step) = G·(α + β·m·r) + comm + optimizer + offload copies, with G
+accumulation steps of micro-batch m, r the recompute factor (4/3 with activation checkpointing):
+
+- α (per micro-step) and β (per sample) are fitted from measured runs, and each measured variant
+  (stage, offloads) gets its mean residual as a correction;
+- comm from the bandwidth probe (latency + bytes / bandwidth per collective; ring factors): an
+  all-reduce of the gradients (stage 0), reduce-scatter + all-gather (1-2), and at stage 3 two gathers of
+  every unit per micro-step plus one reduce-scatter per step;
+- the optimizer's step over the rank's shard at the probe's per-element Adam cost (host copies of the
+  gradient and parameter shards added with optimizer offload; per-micro-step fetches with parameter offload).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from shardspeed.memory_estimate import estimate_model_state_memory
+
+from .space import Candidate
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Time factor of the per-sample compute with activation checkpointing (one extra forward ≈ 1/3 of fwd+bwd).
+RECOMPUTE_FACTOR = 4.0 / 3.0
+#: Share of per-sample activation memory kept with activation checkpointing (layer inputs only; a guess
+#: until a checkpointed run calibrates it).
+CHECKPOINTED_ACTIVATION_SHARE = 0.3
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the cost model needs to know about the job."""
+
+    num_params: int
+    largest_unit: int  # elements
+    num_units: int
+    dtype: str  # "fp32", "bf16", "fp16"
+    dp_size: int
+    device_is_host: bool  # CPU training: offloaded states share the one memory
+    default_bucket: int = 500_000_000  # the user's reduce_bucket_size (elements)
+
+    @property
+    def bytes_per_param(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """The bandwidth probe's figures (see :mod:`shardspeed.autotune.bandwidth`)."""
+
+    latency_s: float  # per collective call
+    bus_bandwidth: float  # bytes/s, ring-normalised (all-reduce moves 2·(N-1)/N·bytes at this rate)
+    adam_s_per_elem: float  # optimizer step on the training device, seconds per element
+    host_adam_s_per_elem: float  # the offloaded (CPU) step, seconds per element
+    copy_bandwidth: float  # device↔host copies, bytes/s
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A run's result: the candidate and what it measured (peak memory per rank, seconds per step)."""
+
+    candidate: Candidate
+    peak_memory: float
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    device_bytes: float
+    host_bytes: float
+    step_time_s: float
+    breakdown: Dict[str, float] = field(default_factory=dict, compare=False)
+
+
+class MemoryModel(Protocol):
+    """Anything that predicts per-rank (device, host) bytes of a candidate."""
+
+    def predict(self, cand: Candidate) -> Tuple[float, float]: ...
+
+
+def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
+    """Least squares with non-negative coefficients, by trying every subset of the (few) columns."""
+    k = len(rows[0]) if rows else 0
+    x, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
+    best: Tuple[float, List[float]] = (float(np.sum(y * y)), [0.0] * k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = [0.0] * k
+        for j, c in zip(cols, coef):
+            full[j] = float(c)
+        err = float(np.sum((x @ np.asarray(full) - y) ** 2))
+        if err < best[0] * (1 - 1e-12):
+            best = (err, full)
+    return best[1]
+
+
+@dataclass(frozen=True)
+class StateMemoryModel:
+    """Model states (exact) + working buffers (structural) + fitted bases and activations per sample.
+
+    Each variant (stage, optimizer offload, parameter offload) that has been measured gets a base of its
+    own (the engine's buffers and the allocator differ by variant in ways the structure above does not
+    capture); a variant never measured uses the mean base of its stage's measured variants, else of all,
+    and :meth:`measured` tells the search to be more careful with it."""
+
+    info: ModelInfo
+    base: float = 0.0
+    act_per_sample: float = 0.0
+    variant_base: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
+
+    def states(self, c: Candidate) -> Tuple[float, float]:
+        """(device, host) bytes of parameters, gradients and optimizer states."""
+        m = estimate_model_state_memory(self.info.num_params, self.info.dp_size, c.stage, self.info.dtype,
+                                        c.offload_optimizer, c.offload_param)
+        return (m.device + m.host if self.info.device_is_host else m.device), m.host
+
+    def working(self, c: Candidate) -> float:
+        """Bytes of transient buffers: the gradient bucket or the gathered stage-3 units, and the fp32
+        temporaries of the optimizer step over this rank's shard (on the device unless offloaded)."""
+        i, b = self.info, self.info.bytes_per_param
+        if c.stage == 3:
+            buf = 3.0 * i.largest_unit * b  # the unit in use, the prefetched one, one unit's gradients
+        else:
+            bucket = c.reduce_bucket_size or i.default_bucket
+            buf = min(bucket, i.num_params) * b
+        shard = i.num_params / (i.dp_size if c.stage >= 1 else 1)
+        step = 4.0 * shard if (not c.offload_optimizer or i.device_is_host) else 0.0
+        return buf + step
+
+    def variable(self, c: Candidate) -> float:
+        """Per-sample activation factor of the candidate (checkpointing keeps a share)."""
+        return c.micro_batch * (CHECKPOINTED_ACTIVATION_SHARE if c.activation_checkpointing else 1.0)
+
+    def measured(self, c: Candidate) -> bool:
+        """Whether the candidate's variant has a measured base."""
+        return _variant(c) in dict(self.variant_base)
+
+    def _base(self, c: Candidate) -> float:
+        bases = dict(self.variant_base)
+        if _variant(c) in bases:
+            return bases[_variant(c)]
+        same_stage = [b for (s, _, _), b in bases.items() if s == c.stage]
+        return sum(same_stage) / len(same_stage) if same_stage else self.base
+
+    def predict(self, c: Candidate) -> Tuple[float, float]:
+        dev, host = self.states(c)
+        return self._base(c) + dev + self.working(c) + self.act_per_sample * self.variable(c), host
+
+    def fit(self, runs: Sequence[Measurement]) -> StateMemoryModel:
+        """Refit the bases (one per measured variant) and activations per sample from measured peaks."""
+        ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
+        if not ok:
+            return self
+        keys = sorted({_variant(r.candidate) for r in ok})
+        ys = [r.peak_memory - self.states(r.candidate)[0] - self.working(r.candidate) for r in ok]
+        if len({self.variable(r.candidate) for r in ok}) < 2:  # activations cannot be told from the bases
+            act = self.act_per_sample
+            bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if _variant(r.candidate) == k)
+                     / sum(1 for r in ok if _variant(r.candidate) == k) for k in keys]
+        else:
+            rows = [[1.0 if _variant(r.candidate) == k else 0.0 for k in keys] + [self.variable(r.candidate)]
+                    for r in ok]
+            *bases, act = nnls(rows, ys)
+        return replace(self, base=sum(bases) / len(bases), act_per_sample=act,
+                       variant_base=tuple(zip(keys, bases)))
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds per optimizer step: fitted compute + modelled communication and optimizer step."""
+
+    info: ModelInfo
+    link: LinkProfile
+    per_micro_step: float = 0.0  # α
+    per_sample: float = 0.0  # β
+    overhead_scale: float = 1.0  # γ: how much of the modelled overheads the measurements bear out
+    #: measured correction per (stage, offload optimizer, offload param): the mean residual of its runs
+    variant_offset: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
+
+    def _collective(self, nbytes: float, calls: float, factor: float) -> float:
+        n = self.info.dp_size
+        if n <= 1:
+            return 0.0
+        return calls * self.link.latency_s + factor * (n - 1) / n * nbytes / self.link.bus_bandwidth
+
+    def overheads(self, c: Candidate) -> Dict[str, float]:
+        """Modelled seconds per step that the fitted compute does not cover, by cause."""
+        i = self.info
+        pbytes = i.num_params * i.bytes_per_param
+        if c.stage == 3:
+            units = max(i.num_units, 1)
+            comm = c.grad_accum * self._collective(2 * pbytes, 2 * units, 1.0) + self._collective(pbytes, units, 1.0)
+        else:
+            buckets = math.ceil(i.num_params / (c.reduce_bucket_size or i.default_bucket))
+            comm = self._collective(pbytes, buckets * (1 if c.stage == 0 else 2), 2.0)
+        shard = i.num_params / (i.dp_size if c.stage >= 1 else 1)
+        out = {"comm": comm}
+        if c.offload_optimizer:
+            out["optimizer"] = shard * self.link.host_adam_s_per_elem
+            out["offload_copies"] = 2 * shard * 4 / self.link.copy_bandwidth
+        else:
+            out["optimizer"] = shard * self.link.adam_s_per_elem
+        if c.offload_param:  # each gather first fetches the shard from the host (forward and backward)
+            out["param_fetch"] = 2 * c.grad_accum * (i.num_params / i.dp_size) * i.bytes_per_param / self.link.copy_bandwidth
+        return out
+
+    def features(self, c: Candidate) -> Tuple[float, float]:
+        r = RECOMPUTE_FACTOR if c.activation_checkpointing else 1.0
+        return float(c.grad_accum), float(c.grad_accum * c.micro_batch) * r
+
+    def predict(self, c: Candidate) -> Tuple[float, Dict[str, float]]:
+        g, gm = self.features(c)
+        parts = {k: v * self.overhead_scale for k, v in self.overheads(c).items()}
+        parts["compute"] = self.per_micro_step * g + self.per_sample * gm
+        offset = dict(self.variant_offset).get(_variant(c))
+        if offset is not None:
+            parts["measured_correction"] = offset
+        return max(sum(parts.values()), 1e-9), parts
+
+    def with_offsets(self, runs: Sequence[Measurement]) -> StepTimeModel:
+        """Each measured variant (stage, offloads) gets the mean residual of its runs as a correction."""
+        base = replace(self, variant_offset=())
+        res: Dict[Tuple[int, bool, bool], List[float]] = {}
+        for r in runs:
+            res.setdefault(_variant(r.candidate), []).append(r.step_time_s - base.predict(r.candidate)[0])
+        return replace(self, variant_offset=tuple((k, sum(v) / len(v)) for k, v in sorted(res.items())))
+
+    def fit(self, runs: Sequence[Measurement]) -> StepTimeModel:
+        """Fit α and β (and, from 4 runs of differing overheads on, γ) by non-negative least squares.
+        With fewer runs γ stays 1, unless the modelled overheads alone would exceed 80% of a measured step
+        (a probe on a noisy link): then γ shrinks so that they do not."""
+        ok = [r for r in runs if math.isfinite(r.step_time_s) and r.step_time_s > 0]
+        if not ok:
+            return self
+        feats = [self.features(r.candidate) for r in ok]
+        over = [sum(self.overheads(r.candidate).values()) for r in ok]
+        ts = [r.step_time_s for r in ok]
+        if len(ok) >= 4 and max(over) - min(over) > 0.05 * max(ts):
+            a, b, gamma = nnls([(g, gm, o) for (g, gm), o in zip(feats, over)], ts)
+            if a + b > 0:
+                return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
+        gamma = min([1.0] + [0.8 * t / o for t, o in zip(ts, over) if o > 0])
+        a, b = nnls(feats, [t - gamma * o for t, o in zip(ts, over)])
+        return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Memory and time together; :meth:`fit` refits both from every measurement so far."""
+
+    memory: StateMemoryModel
+    time: StepTimeModel
+    measurements: Tuple[Measurement, ...] = ()
+
+    @classmethod
+    def create(cls, info: ModelInfo, link: LinkProfile) -> CostModel:
+        return cls(StateMemoryModel(info), StepTimeModel(info, link))
+
+    def fit(self, runs: Sequence[Measurement]) -> CostModel:
+        runs = tuple(runs)
+        return CostModel(self.memory.fit(runs), self.time.fit(runs), runs)
+
+    def predict(self, c: Candidate) -> Prediction:
+        dev, host = self.memory.predict(c)
+        t, parts = self.time.predict(c)
+        return Prediction(dev, host, t, parts)
+
+
+def _variant(c: Candidate) -> Tuple[int, bool, bool]:
+    return c.stage, c.offload_optimizer, c.offload_param
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan for fewer than 2 points."""
+    if len(a) < 2 or len(a) != len(b):
+        return float("nan")
+
+    def ranks(v: Sequence[float]) -> List[float]:
+        order = sorted(range(len(v)), key=lambda k: v[k])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def fits(p: Prediction, device_budget: Optional[float], host_budget: Optional[float], margin: float = 0.0) -> bool:
+    """Whether a prediction stays within the budgets, ``margin`` (a share) above them allowed."""
+    if device_budget is not None and p.device_bytes > device_budget * (1 + margin):
+        return False
+    return not (host_budget is not None and p.host_bytes > host_budget * (1 + margin))

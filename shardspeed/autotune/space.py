@@ -1,0 +1,155 @@
+"""The tuning space: candidates (pure data) and how one becomes a DeepSpeed config.
+
+A :class:`Candidate` is one point: ZeRO stage, micro-batch × gradient accumulation (their product times
+the data-parallel size is the user's global batch, always), optimizer/parameter offload to CPU, the
+gradient bucket size and activation checkpointing. :func:`enumerate_candidates` lists every valid point
+of a :class:`TuningSpace`; :func:`apply_candidate` writes one into a copy of the user's config, changing
+only the keys it tunes.
+
+Activation checkpointing is a dimension only when the engine can switch it from the config:
+:data:`ACTIVATION_CHECKPOINTING_KEY` names that key (None until the engine switch lands; then the
+space offers both values and the cost model charges the recompute).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from shardspeed.errors import ConfigError
+
+#: Dotted config key of the engine's activation-checkpointing switch (None: not switchable from the config
+#: yet, so the dimension is not searched). Set it where the engine switch is added.
+ACTIVATION_CHECKPOINTING_KEY: Optional[str] = None
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration the tuner may run."""
+
+    stage: int
+    micro_batch: int
+    grad_accum: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    reduce_bucket_size: Optional[int] = None  # elements; None: the user's
+    activation_checkpointing: bool = False
+
+    @property
+    def name(self) -> str:
+        """A directory-safe name, e.g. ``z2_mbs4_gas2_oo``."""
+        parts = [f"z{self.stage}", f"mbs{self.micro_batch}", f"gas{self.grad_accum}"]
+        if self.offload_optimizer:
+            parts.append("oo")
+        if self.offload_param:
+            parts.append("op")
+        if self.reduce_bucket_size is not None:
+            parts.append(f"rb{self.reduce_bucket_size}")
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        return "_".join(parts)
+
+
+@dataclass(frozen=True)
+class TuningSpace:
+    """The values each dimension may take (a candidate is any valid combination)."""
+
+    stages: Tuple[int, ...] = (0, 1, 2, 3)
+    micro_batches: Tuple[int, ...] = (1, 2, 4, 8)
+    offload_optimizer: Tuple[bool, ...] = (False, True)
+    offload_param: Tuple[bool, ...] = (False, True)
+    reduce_bucket_sizes: Tuple[Optional[int], ...] = (None,)
+    activation_checkpointing: Tuple[bool, ...] = (False,)
+
+
+def micro_batch_sizes(per_rank_batch: int, lo: int = 1, hi: int = 1024) -> Tuple[int, ...]:
+    """Micro-batches that divide the per-rank batch (so the global batch is kept), within [lo, hi]."""
+    return tuple(m for m in range(max(lo, 1), min(hi, per_rank_batch) + 1) if per_rank_batch % m == 0)
+
+
+def default_space(global_batch: int, dp_size: int, *, fast: bool = True, mbs_range: Tuple[int, int] = (1, 1024),
+                  bucket_sizes: Sequence[int] = (5 * _MiB, 50 * _MiB)) -> TuningSpace:
+    """Every stage, every micro-batch dividing the per-rank batch, offload on/off; bucket sizes only when
+    not ``fast`` (DeepSpeed's meaning of the flag); checkpointing when the engine can switch it."""
+    if global_batch % dp_size:
+        raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size {dp_size}")
+    mbs = micro_batch_sizes(global_batch // dp_size, *mbs_range)
+    if not mbs:
+        raise ConfigError(f"no micro-batch in [{mbs_range[0]}, {mbs_range[1]}] divides the per-rank batch "
+                          f"{global_batch // dp_size}; widen min/max_train_micro_batch_size_per_gpu")
+    buckets: Tuple[Optional[int], ...] = (None,) if fast else (None, *bucket_sizes)
+    ckpt = (False, True) if ACTIVATION_CHECKPOINTING_KEY else (False,)
+    return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt)
+
+
+def enumerate_candidates(space: TuningSpace, global_batch: int, dp_size: int) -> List[Candidate]:
+    """Every valid candidate: micro-batches that divide the per-rank batch, offload only where the stage
+    allows it (optimizer: stages 1-3, parameters: stage 3)."""
+    per_rank = global_batch // dp_size
+    out: List[Candidate] = []
+    for stage in space.stages:
+        for mbs in space.micro_batches:
+            if per_rank % mbs or global_batch % dp_size:
+                continue
+            for oo in space.offload_optimizer:
+                for op in space.offload_param:
+                    if (oo and stage == 0) or (op and stage != 3):
+                        continue
+                    for rb in space.reduce_bucket_sizes:
+                        for ck in space.activation_checkpointing:
+                            out.append(Candidate(stage, mbs, per_rank // mbs, oo, op, rb, ck))
+    return out
+
+
+def _offload_block(user: Any) -> Dict[str, Any]:
+    """The user's offload block kept where it says cpu (pin_memory, ...), else a plain cpu one."""
+    if isinstance(user, dict) and user.get("device") == "cpu":
+        return dict(user)
+    return {"device": "cpu"}
+
+
+def apply_candidate(user_config: Dict[str, Any], cand: Candidate, dp_size: int) -> Dict[str, Any]:
+    """A copy of the user's config with the candidate's values; every other section is kept as given."""
+    cfg = copy.deepcopy(user_config)
+    cfg["train_batch_size"] = cand.micro_batch * cand.grad_accum * dp_size
+    cfg["train_micro_batch_size_per_gpu"] = cand.micro_batch
+    cfg["gradient_accumulation_steps"] = cand.grad_accum
+    zero = cfg.get("zero_optimization")
+    zero = dict(zero) if isinstance(zero, dict) else {}
+    for old in ("cpu_offload", "cpu_offload_param"):  # deprecated spellings of the blocks set below
+        zero.pop(old, None)
+    zero["stage"] = cand.stage
+    if cand.offload_optimizer:
+        zero["offload_optimizer"] = _offload_block(zero.get("offload_optimizer"))
+    else:
+        zero.pop("offload_optimizer", None)
+    if cand.offload_param:
+        zero["offload_param"] = _offload_block(zero.get("offload_param"))
+    else:
+        zero.pop("offload_param", None)
+    if cand.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = cand.reduce_bucket_size
+        zero["allgather_bucket_size"] = cand.reduce_bucket_size
+    cfg["zero_optimization"] = zero
+    if ACTIVATION_CHECKPOINTING_KEY:
+        _set_dotted(cfg, ACTIVATION_CHECKPOINTING_KEY, cand.activation_checkpointing)
+    return cfg
+
+
+def _set_dotted(cfg: Dict[str, Any], dotted: str, value: Any) -> None:
+    *heads, last = dotted.split(".")
+    node = cfg
+    for h in heads:
+        node = node.setdefault(h, {})
+    node[last] = value
+
+
+def user_global_batch(user_config: Dict[str, Any], dp_size: int) -> int:
+    """The global batch the user's config trains with at ``dp_size`` ranks (what the tuner keeps)."""
+    from shardspeed.config import load_config
+
+    resolved = load_config({k: v for k, v in user_config.items() if k != "autotuning"}, world_size=dp_size)
+    assert resolved.train_batch_size is not None
+    return int(resolved.train_batch_size)

@@ -1,0 +1,41 @@
+"""Activation checkpointing: DeepSpeed's ``deepspeed.checkpointing`` API on torch's non-reentrant checkpoint.
+
+    import shardspeed.checkpointing as checkpointing
+    checkpointing.configure(engine.mpu, deepspeed_config=cfg)   # or let the engine do it from its config
+    x = checkpointing.checkpoint(block, x)                      # in the model's forward
+    engine.enable_activation_checkpointing(policy="selective")  # or wrap every transformer block
+
+See docs/activation-checkpointing.md.
+"""
+from __future__ import annotations
+
+from .core import (
+    apply,
+    checkpoint,
+    checkpoint_function,
+    checkpoint_with,
+    configure,
+    is_configured,
+    model_group_comm,
+    model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
+    non_reentrant_checkpoint,
+    partition_activations_in_checkpoint,
+    profile_totals,
+    reset,
+    set_num_layers,
+    settings,
+)
+from .policy import SAVED_OPS, selective_policy
+from .rng import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
+from .saved import partition_span
+from .settings import CheckpointSettings
+from .wrap import checkpoint_blocks, find_blocks, uncheckpoint_blocks
+
+__all__ = [
+    "checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker", "RNGStatesTracker", "CheckpointSettings",
+    "checkpoint_function", "checkpoint_with", "checkpoint_blocks", "uncheckpoint_blocks", "find_blocks", "apply",
+    "model_group_comm", "profile_totals", "settings", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
+    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span",
+]

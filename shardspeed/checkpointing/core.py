@@ -1,0 +1,306 @@
+"""``checkpoint(function, *args)`` and its process-wide configuration (DeepSpeed's module-level API).
+
+A checkpoint runs ``function`` without keeping its intermediate activations and reruns it in backward:
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` underneath, which restores the CPU and device
+RNG states for the recompute (dropout replays exactly); the model-parallel RNG tracker's states are
+restored too. The saved inputs go through :class:`~.saved.SavedInputs` (partitioned, on the host,
+contiguous: the settings say), and ``synchronize`` / ``profile`` wrap forward and backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ..dist.comms import Collectives, CommsLogger
+from ..dist.topology import Topology
+from ..errors import ConfigError
+from .policy import policy_contexts
+from .rng import get_cuda_rng_tracker, seed_tracker
+from .saved import SavedInputs
+from .settings import CheckpointSettings
+
+logger = logging.getLogger("shardspeed.checkpointing")
+
+
+@dataclass
+class _State:
+    settings: CheckpointSettings = field(default_factory=CheckpointSettings)
+    comm: Optional[Collectives] = None  # the tensor-parallel group's collectives
+    tp_rank: int = 0
+    configured: bool = False
+    saved: SavedInputs = field(default_factory=lambda: SavedInputs(CheckpointSettings()))
+    totals: Dict[str, float] = field(default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "calls": 0})
+
+
+_STATE = _State()
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+
+def apply(settings: CheckpointSettings, comm: Optional[Collectives] = None) -> None:
+    """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the process's configuration;
+    what the engine calls with its config's ``activation_checkpointing`` block."""
+    reset()
+    _STATE.settings = settings
+    _STATE.comm = comm
+    _STATE.tp_rank = comm.topology.dp_rank if comm is not None else 0
+    _STATE.saved = SavedInputs(settings, comm)
+    _STATE.configured = True
+    if settings.partition_activations and _STATE.saved.comm is None:
+        logger.info("partition_activations: the tensor-parallel group has one rank, so there is nothing to split")
+    logger.debug("activation checkpointing: %s, tensor-parallel size %d", settings, _STATE.saved.world)
+
+
+def model_group_comm(topology: Topology, log: Optional[CommsLogger] = None) -> Optional[Collectives]:
+    """The collectives of ``topology``'s tensor-parallel (model) group; None when it has one rank."""
+    if topology.model_size <= 1 or topology.model_group is None:
+        return None
+    return Collectives(Topology.data_parallel(topology.model_group), log)
+
+
+def _mpu_comm(mpu: Any) -> Optional[Collectives]:
+    for name in ("get_tensor_model_parallel", "get_model_parallel"):
+        getter = getattr(mpu, f"{name}_group", None)
+        if callable(getter):
+            group = getter()
+            if group is None or dist.get_world_size(group) <= 1:
+                return None
+            return Collectives(Topology.data_parallel(group))
+    raise ConfigError(f"mpu_ must have get_tensor_model_parallel_group() or get_model_parallel_group() (a "
+                      f"Megatron-style model-parallel unit); got {type(mpu).__name__}")
+
+
+def _block_from_config(deepspeed_config: Any) -> Any:
+    from ..config import ShardspeedConfig, parse_config
+
+    cfg = deepspeed_config if isinstance(deepspeed_config, ShardspeedConfig) else parse_config(deepspeed_config)
+    return cfg.activation_checkpointing
+
+
+def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
+              contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
+              checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
+              profile: Optional[bool] = None) -> None:
+    """DeepSpeed's ``deepspeed.checkpointing.configure``: the settings of every later ``checkpoint``.
+
+    ``mpu_``: a Megatron-style unit (or ``engine.mpu``) whose tensor-parallel group
+    ``partition_activations`` splits over; None keeps the previous one. ``deepspeed_config``: a config
+    (dict, JSON path or ShardspeedConfig) whose ``activation_checkpointing`` block is read first; the
+    keyword arguments override it (None: keep the config's, else the default)."""
+    base = CheckpointSettings()
+    if deepspeed_config is not None:
+        base = CheckpointSettings.from_config(_block_from_config(deepspeed_config))
+    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
+                 contiguous_checkpointing, "number_checkpoints": num_checkpoints, "cpu_checkpointing":
+                 checkpoint_in_cpu, "synchronize": synchronize, "profile": profile}
+    kwargs = {**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
+    comm = _mpu_comm(mpu_) if mpu_ is not None else _STATE.comm
+    apply(CheckpointSettings(**kwargs), comm)
+
+
+def _replace(**changes: Any) -> None:
+    kwargs = {**_STATE.settings.__dict__, **changes}
+    apply(CheckpointSettings(**kwargs), _STATE.comm)
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Turn ``partition_activations`` on or off, keeping the other settings (DeepSpeed's function)."""
+    _replace(partition_activations=bool(partition_activation))
+
+
+def set_num_layers(nlayers: int) -> None:
+    """Set ``number_checkpoints`` (DeepSpeed's function)."""
+    _replace(number_checkpoints=int(nlayers))
+
+
+def is_configured() -> bool:
+    """True once ``configure`` (or an engine) has configured activation checkpointing."""
+    return _STATE.configured
+
+
+def reset() -> None:
+    """Drop the contiguous buffers (call it between forwards that have no backward, e.g. in evaluation)."""
+    if _STATE.saved.contiguous is not None:
+        _STATE.saved.contiguous.release()
+
+
+def settings() -> CheckpointSettings:
+    """The settings in force."""
+    return _STATE.settings
+
+
+def tensor_parallel_rank() -> int:
+    return _STATE.tp_rank
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Seed the default device generator with ``seed`` and the tracker's "model-parallel-rng" state with
+    ``seed + 2718 + tensor-parallel rank`` (DeepSpeed's function; call it after ``configure``)."""
+    seed_tracker(int(seed), _STATE.tp_rank)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Reseed the "model-parallel-rng" state only (DeepSpeed's function)."""
+    from .rng import _generator
+
+    with get_cuda_rng_tracker().fork():
+        _generator().manual_seed(int(seed) + 2718 + _STATE.tp_rank)
+
+
+def profile_totals() -> Dict[str, float]:
+    """With ``profile``: seconds spent in checkpointed forwards and backwards (recompute included), and calls."""
+    return dict(_STATE.totals)
+
+
+# ---- forward / recompute contexts ---------------------------------------------------------------------
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a host-device sync point: what synchronize_checkpoint_boundary asks for
+
+
+class _Boundary:
+    """Per checkpoint call: the tracker's states at the forward (restored for the recompute), device syncs
+    and timings at the boundaries."""
+
+    def __init__(self, st: CheckpointSettings):
+        self.sync, self.profile = st.synchronize, st.profile
+        self.tracker_states: Dict[str, torch.Tensor] = {}
+        self.t0 = 0.0
+
+    def begin(self) -> None:
+        if self.sync:
+            _sync()
+        self.t0 = time.perf_counter()
+
+    def end(self, what: str) -> None:
+        if self.sync:
+            _sync()
+        if self.profile:
+            dt = time.perf_counter() - self.t0
+            _STATE.totals[f"{what}_s"] += dt
+            if what == "forward":
+                _STATE.totals["calls"] += 1
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.info("checkpoint %s: %.3f ms", what, dt * 1e3)
+
+    @contextlib.contextmanager
+    def forward(self):
+        self.begin()
+        self.tracker_states = get_cuda_rng_tracker().get_states()
+        try:
+            yield
+        finally:
+            self.end("forward")
+
+    @contextlib.contextmanager
+    def recompute(self):
+        self.begin()  # the checkpoint's backward starts with its recompute
+        tracker = get_cuda_rng_tracker()
+        outer = tracker.get_states()
+        tracker.set_states(dict(self.tracker_states))
+        try:
+            yield
+        finally:
+            tracker.set_states(outer)
+
+    def after_backward(self, inputs: List[torch.Tensor]) -> None:
+        """End the backward when the gradients of the inputs are in (or at once when none needs one)."""
+        if not (self.sync or self.profile):
+            return
+        needing = [t for t in inputs if t.requires_grad]
+        if needing:
+            torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: self.end("backward"), mode="any")
+
+
+class _Both:
+    """Enter several context managers as one (torch's context_fn returns one per phase)."""
+
+    def __init__(self, *cms: ContextManager):
+        self.cms = cms
+        self.stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for cm in self.cms:
+            self.stack.enter_context(cm)
+        return self
+
+    def __exit__(self, *exc):
+        assert self.stack is not None
+        return self.stack.__exit__(*exc)
+
+
+def _context_fn(boundary: _Boundary, policy: str) -> Callable[[], Tuple[ContextManager, ContextManager]]:
+    extra = policy_contexts(policy)
+
+    def make() -> Tuple[ContextManager, ContextManager]:
+        fwd: List[ContextManager] = [boundary.forward()]
+        rec: List[ContextManager] = [boundary.recompute()]
+        if extra is not None:
+            f2, r2 = extra()
+            fwd.append(f2)
+            rec.append(r2)
+        return _Both(*fwd), _Both(*rec)
+
+    return make
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------------
+
+def checkpoint_with(function: Callable, args: tuple, kwargs: Dict[str, Any], policy: Optional[str] = None) -> Any:
+    """``function(*args, **kwargs)`` checkpointed under the configured settings and ``policy`` (default: the
+    configured one). Tensors among ``kwargs`` are saved and differentiated as positional ones are."""
+    if kwargs:
+        keys, n = tuple(kwargs), len(args)
+
+        def call(*all_args: Any) -> Any:
+            return function(*all_args[:n], **dict(zip(keys, all_args[n:])))
+
+        args, run = args + tuple(kwargs.values()), call
+    else:
+        run = function
+    if not torch.is_grad_enabled():
+        return run(*args)  # no backward will need a recompute (torch's checkpoint does the same)
+    st = _STATE.settings
+    boundary = _Boundary(st)
+    with _STATE.saved.hooks():
+        out = torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                               context_fn=_context_fn(boundary, policy or st.policy))
+    boundary.after_backward([a for a in args if torch.is_tensor(a)])
+    return out
+
+
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` (DeepSpeed's ``deepspeed.checkpointing.checkpoint``): its
+    activations are not kept but recomputed in backward, with the RNG states of the forward."""
+    return checkpoint_with(function, args, kwargs)
+
+
+class _PolicyCheckpoint:
+    """``checkpoint`` with a fixed policy (a plain object: copied and pickled with the model)."""
+
+    def __init__(self, policy: Optional[str]):
+        if policy is not None:
+            CheckpointSettings(policy=policy)  # validates the name
+        self.policy = policy
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_with(function, args, kwargs, self.policy)
+
+
+#: DeepSpeed's name for its non-reentrant variant: ``checkpoint`` is non-reentrant here.
+non_reentrant_checkpoint = checkpoint
+
+
+def checkpoint_function(policy: Optional[str] = None) -> Callable[..., Any]:
+    """A ``checkpoint``-like callable with a fixed ``policy`` ("full" or "selective"; None: the configured
+    one), e.g. for a Hugging Face model's ``_gradient_checkpointing_func``."""
+    return _PolicyCheckpoint(policy)

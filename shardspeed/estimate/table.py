@@ -1,0 +1,82 @@
+"""The ``shardspeed estimate`` peak table: one model, one base config, every stage × offload choice."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .model import ModelSpec
+from .peak import PeakEstimate, estimate_peak
+
+#: (optimizer offload device, parameter offload device) rows tried at each stage
+OFFLOADS: Tuple[Tuple[str, str], ...] = (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"),
+                                         ("nvme", "nvme"))
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    estimate: PeakEstimate
+
+    @property
+    def offload(self) -> str:
+        parts = [f"optim:{self.offload_optimizer}" if self.offload_optimizer != "none" else "",
+                 f"param:{self.offload_param}" if self.offload_param != "none" else ""]
+        return "+".join(p for p in parts if p) or "-"
+
+
+def config_for(base: Dict[str, Any], stage: int, optim: str, param: str, nvme_path: str = "/local_nvme"
+               ) -> Dict[str, Any]:
+    """``base`` with ``zero_optimization.stage`` and the offload devices replaced (nothing else touched)."""
+    cfg = copy.deepcopy(base)
+    zero = dict(cfg.get("zero_optimization") or {})
+    zero["stage"] = stage
+    for key, dev in (("offload_optimizer", optim), ("offload_param", param)):
+        block = dict(zero.get(key) or {})
+        if dev == "none":
+            zero.pop(key, None)
+            continue
+        block["device"] = dev
+        if dev == "nvme":
+            block.setdefault("nvme_path", nvme_path)
+        zero[key] = block
+    cfg["zero_optimization"] = zero
+    return cfg
+
+
+def peak_rows(spec: ModelSpec, base: Dict[str, Any], *, world_size: int, stages: Sequence[int] = (0, 1, 2, 3),
+              offloads: Optional[Sequence[Tuple[str, str]]] = None, **kwargs) -> List[PeakRow]:
+    """An estimate for every valid (stage, offload) pair; ``kwargs`` go to :func:`estimate_peak`."""
+    rows = []
+    for stage in stages:
+        for optim, param in offloads or OFFLOADS:
+            if (optim != "none" and stage == 0) or (param != "none" and stage != 3):
+                continue
+            est = estimate_peak(spec, config_for(base, stage, optim, param), world_size=world_size, **kwargs)
+            rows.append(PeakRow(stage, optim, param, est))
+    return rows
+
+
+def format_rows(rows: Sequence[PeakRow]) -> str:
+    """A table in GB (1e9 bytes), or MB when every figure is below 1 GB."""
+    big = max((max(r.estimate.device, r.estimate.host, r.estimate.nvme) for r in rows), default=0.0) >= 1e9
+    gb, u = (1e9, "GB") if big else (1e6, "MB")
+    head = "{:<6}{:<22}{:>12}{:>11}{:>10}{:>11}{:>14}  {}".format(
+        "stage", "offload", f"device {u}", f"host {u}", f"nvme {u}", f"states {u}", "activations", "peak at")
+    out = [head]
+    for r in rows:
+        e = r.estimate
+        states = sum(e.model_states.values())
+        out.append("{:<6}{:<22}{:>12.2f}{:>11.2f}{:>10.2f}{:>11.2f}{:>14.2f}  {}".format(
+            r.stage, r.offload, e.device / gb, e.host / gb, e.nvme / gb, states / gb,
+            e.terms.get("activations", 0.0) / gb,
+            "start-up" if e.startup_device > sum(v for k, v in e.terms.items() if not k.endswith("_host"))
+            else e.phase))
+    return "\n".join(out)
+
+
+def rows_json(rows: Sequence[PeakRow]) -> List[Dict[str, Any]]:
+    return [{"stage": r.stage, "offload_optimizer": r.offload_optimizer, "offload_param": r.offload_param,
+             **r.estimate.as_dict()} for r in rows]

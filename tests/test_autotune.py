@@ -1,0 +1,301 @@
+"""Autotuning: the space, the cost model and pruning (pure), a trial's metrics window, killing a hung trial,
+and `shardspeed autotune` end to end on a tiny GPT (world 1), whose optimum must load in shardspeed and in
+DeepSpeed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+import torch
+
+from shardspeed.autotune.model import (
+    CostModel,
+    LinkProfile,
+    Measurement,
+    ModelInfo,
+    Prediction,
+    StateMemoryModel,
+    fits,
+    spearman,
+)
+from shardspeed.autotune.probe import ModelFacts, ProfileWindow
+from shardspeed.autotune.report import CandidateRecord, summary_table
+from shardspeed.autotune.search import Tuner, find_config_arg
+from shardspeed.autotune.space import (
+    Candidate,
+    apply_candidate,
+    default_space,
+    enumerate_candidates,
+    micro_batch_sizes,
+)
+from shardspeed.autotune.trials import run_command
+from shardspeed.cli import main
+from shardspeed.config import AutotuningConfig, load_config
+from shardspeed.errors import ConfigError
+from shardspeed.memory_estimate import estimate_model_state_memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "benchmarks" / "autotune_gpt.py")
+USER = {"train_batch_size": 16, "bf16": {"enabled": True}, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
+        "zero_optimization": {"stage": 1, "overlap_comm": False, "offload_optimizer": {"device": "cpu",
+                                                                                      "pin_memory": True}},
+        "steps_per_print": 7}
+LINK = LinkProfile(latency_s=1e-4, bus_bandwidth=1e9, adam_s_per_elem=2e-9, host_adam_s_per_elem=4e-9,
+                   copy_bandwidth=5e9)
+INFO = ModelInfo(num_params=10_000_000, largest_unit=1_000_000, num_units=10, dtype="bf16", dp_size=2,
+                 device_is_host=False)
+
+
+# ---- space ------------------------------------------------------------------------------------------
+
+def test_candidates_keep_the_global_batch_and_valid_offload():
+    cands = enumerate_candidates(default_space(16, 2), 16, 2)
+    assert {c.micro_batch for c in cands} == {1, 2, 4, 8}
+    # stage 0: 4; stages 1-2: 4 x (offload or not); stage 3: 4 x 2 x 2
+    assert len(cands) == 4 + 8 + 8 + 16
+    for c in cands:
+        assert c.micro_batch * c.grad_accum * 2 == 16
+        assert not (c.offload_optimizer and c.stage == 0) and not (c.offload_param and c.stage != 3)
+    assert len({c.name for c in cands}) == len(cands)
+    assert micro_batch_sizes(12, 2, 6) == (2, 3, 4, 6)
+    assert len(enumerate_candidates(default_space(16, 2, fast=False), 16, 2)) == 3 * len(cands)
+    with pytest.raises(ConfigError, match="divides the per-rank batch"):
+        default_space(16, 2, mbs_range=(16, 32))
+
+
+def test_apply_candidate_keeps_every_other_section_and_loads():
+    for cand in (Candidate(3, 2, 4, True, True, 1 << 20), Candidate(0, 8, 1), Candidate(2, 4, 2, True)):
+        cfg = apply_candidate(USER, cand, 2)
+        for key in ("bf16", "gradient_clipping", "optimizer", "scheduler", "steps_per_print"):
+            assert cfg[key] == USER[key]
+        z = cfg["zero_optimization"]
+        assert z["stage"] == cand.stage and z["overlap_comm"] is False
+        assert ("offload_optimizer" in z) == cand.offload_optimizer and ("offload_param" in z) == cand.offload_param
+        if cand.offload_optimizer:
+            assert z["offload_optimizer"]["pin_memory"] is True  # the user's block, kept
+        loaded = load_config(cfg, world_size=2)
+        assert (loaded.train_batch_size, loaded.train_micro_batch_size_per_gpu,
+                loaded.gradient_accumulation_steps) == (16, cand.micro_batch, cand.grad_accum)
+    assert USER["zero_optimization"]["stage"] == 1  # the user's dict untouched
+
+
+def test_find_config_arg_forms():
+    assert find_config_arg(["--x", "1", "--deepspeed_config", "a.json"]) == (3, "a.json")
+    assert find_config_arg(["--deepspeed=b.json"]) == (0, "b.json")
+    with pytest.raises(ConfigError, match="--deepspeed_config"):
+        find_config_arg(["--lr", "1"])
+
+
+# ---- cost model -------------------------------------------------------------------------------------
+
+def test_model_states_are_the_estimators_and_offload_counts_on_a_cpu_device():
+    mem = StateMemoryModel(INFO)
+    for c in (Candidate(0, 1, 8), Candidate(2, 1, 8, True), Candidate(3, 1, 8, True, True)):
+        ref = estimate_model_state_memory(INFO.num_params, 2, c.stage, "bf16", c.offload_optimizer, c.offload_param)
+        assert mem.states(c) == (ref.device, ref.host)
+    cpu = StateMemoryModel(ModelInfo(**{**INFO.__dict__, "device_is_host": True}))
+    c = Candidate(2, 1, 8, True)
+    ref = estimate_model_state_memory(INFO.num_params, 2, 2, "bf16", True, False)
+    assert cpu.states(c) == (ref.device + ref.host, ref.host)  # one memory: offloading frees nothing
+
+
+def test_memory_fit_recovers_base_and_activations():
+    truth = StateMemoryModel(INFO, base=3e8, act_per_sample=4e7)
+    runs = [Measurement(c, truth.predict(c)[0], 1.0) for c in (Candidate(3, 1, 8), Candidate(3, 8, 1))]
+    fitted = StateMemoryModel(INFO).fit(runs)
+    assert fitted.base == pytest.approx(3e8, rel=1e-9) and fitted.act_per_sample == pytest.approx(4e7, rel=1e-9)
+    for c in enumerate_candidates(default_space(16, 2), 16, 2):
+        assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-9)
+
+
+def test_time_fit_recovers_compute_terms_and_ranks_the_space():
+    truth = CostModel.create(INFO, LINK)
+    truth = CostModel(truth.memory, truth.time.__class__(INFO, LINK, per_micro_step=0.02, per_sample=0.01))
+    cands = enumerate_candidates(default_space(16, 2), 16, 2)
+    runs = [Measurement(c, 1e9, truth.predict(c).step_time_s) for c in (Candidate(3, 1, 8), Candidate(3, 8, 1))]
+    fitted = CostModel.create(INFO, LINK).fit(runs)
+    assert fitted.time.per_micro_step == pytest.approx(0.02) and fitted.time.per_sample == pytest.approx(0.01)
+    pred = [fitted.predict(c).step_time_s for c in cands]
+    assert spearman(pred, [truth.predict(c).step_time_s for c in cands]) == pytest.approx(1.0)
+    # the model's structure: more accumulation steps cost more; stage 3 pays its gathers; offload its copies
+    t = {c: fitted.predict(c).step_time_s for c in cands}
+    assert t[Candidate(0, 8, 1)] < t[Candidate(0, 1, 8)]
+    assert t[Candidate(3, 4, 2)] > t[Candidate(2, 4, 2)]
+    assert t[Candidate(2, 4, 2, True)] > t[Candidate(2, 4, 2)]
+
+
+def test_pruning_by_budget():
+    p = Prediction(device_bytes=1.04e9, host_bytes=5e8, step_time_s=1.0)
+    assert fits(p, 1e9, None, margin=0.05) and not fits(p, 1e9, None)
+    assert not fits(p, 2e9, 4e8) and fits(p, None, None)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+
+
+def test_summary_lists_every_candidate_with_status():
+    recs = [CandidateRecord(Candidate(0, 1, 2), Prediction(2e9, 0, 0.5), [0.4], 1.9e9, "best"),
+            CandidateRecord(Candidate(3, 2, 1), Prediction(9e9, 0, 0.3), [], None, "pruned: memory 9 GB > 4 GB")]
+    text = summary_table(recs, "hdr")
+    assert text.splitlines()[0] == "hdr" and "z0_mbs1_gas2" in text and "pruned: memory" in text
+    assert "0.400" in text and "9.000" in text
+
+
+# ---- config and a trial's metrics ---------------------------------------------------------------------
+
+def test_autotuning_block_loads_deepspeed_keys_and_refuses_bad_ranges():
+    block = {"enabled": True, "fast": False, "metric": "latency", "start_profile_step": 2, "end_profile_step": 4,
+             "max_train_batch_size": 64, "min_train_micro_batch_size_per_gpu": 1,
+             "max_train_micro_batch_size_per_gpu": 8, "num_tuning_micro_batch_sizes": 3, "tuner_type": "gridsearch",
+             "tuner_early_stopping": 5, "tuner_num_trials": 50, "arg_mappings": {}, "results_dir": "r",
+             "exps_dir": "e", "overwrite": False, "device_memory_budget": 1e9, "wall_time_budget": 60}
+    cfg = load_config({"train_batch_size": 4, "autotuning": block})
+    assert cfg.autotuning.metric == "latency" and cfg.autotuning.device_memory_budget == 1e9
+    with pytest.raises(ConfigError, match="end_profile_step"):
+        load_config({"train_batch_size": 4, "autotuning": {"start_profile_step": 5, "end_profile_step": 2}})
+    with pytest.raises(ConfigError, match="tuner_type"):
+        load_config({"train_batch_size": 4, "autotuning": {"tuner_type": "bayes"}})
+
+
+def test_profile_window_times_the_window_and_writes_metrics(tmp_path):
+    path = str(tmp_path / "m.json")
+    w = ProfileWindow(start_step=2, end_step=4, metric_path=path, train_batch_size=8, micro_batch_size=2,
+                      gradient_accumulation_steps=2, facts=ModelFacts(100, 60, 2), device=torch.device("cpu"),
+                      exit=False)
+    for step in range(1, 5):
+        time.sleep(0.02)
+        w.after_step(step)
+    m = json.loads(pathlib.Path(path).read_text())
+    assert len(m["step_times_s"]) == 3 and all(t >= 0.015 for t in m["step_times_s"])
+    assert m["throughput"] == pytest.approx(8 / m["step_time_s"]) and m["latency"] == pytest.approx(m["step_time_s"] * 1e3)
+    assert m["peak_memory"] > 10 << 20 and (m["num_params"], m["largest_unit"], m["num_units"]) == (100, 60, 2)
+
+
+# ---- trials -------------------------------------------------------------------------------------------
+
+_HANGER = ("import subprocess, sys, time\n"
+           "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+           "print(p.pid, flush=True)\n"
+           "time.sleep(600)\n")
+
+
+def test_hung_trial_and_its_other_session_children_are_killed(tmp_path):
+    t0 = time.perf_counter()
+    res = run_command([sys.executable, "-c", _HANGER], str(tmp_path), timeout_s=3.0)
+    assert res.status == "timeout" and time.perf_counter() - t0 < 3.0 + 6.0
+    grandchild = int((tmp_path / "stdout.log").read_text().split()[0])
+    assert not os.path.exists(f"/proc/{grandchild}") or "Z" in pathlib.Path(f"/proc/{grandchild}/stat").read_text().split(")")[-1].split()[0]
+
+
+def test_failed_trial_is_data(tmp_path):
+    res = run_command([sys.executable, "-c", "raise MemoryError('out of memory')"], str(tmp_path), timeout_s=30)
+    assert res.status == "oom" or (res.status == "failed" and "out of memory" in res.error)
+    assert "MemoryError" in res.error
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+
+def _user_config(tmp_path, **autotuning) -> str:
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 0},
+           "autotuning": {"start_profile_step": 2, "end_profile_step": 3, "trial_timeout": 120,
+                          "results_dir": str(tmp_path / "autotuning_results"),
+                          "exps_dir": str(tmp_path / "autotuning_exps"), **autotuning}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _live_trials(marker: str) -> list:
+    """Live processes (not zombies) whose command line holds ``marker``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            state = pathlib.Path(f"/proc/{entry}/stat").read_text().split(")")[-1].split()[0]
+        except (OSError, ValueError):
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(entry))
+    return out
+
+
+def test_autotune_cli_end_to_end_writes_layout_and_optimum_loads_in_both(tmp_path, capsys):
+    cfg = _user_config(tmp_path, max_train_micro_batch_size_per_gpu=1, tuner_num_trials=2,
+                       device_memory_budget=4e9)
+    rc = main(["autotune", "--nproc", "1", SCRIPT, "--deepspeed_config", cfg, "--n-embd", "32", "--n-layer", "2",
+               "--block-size", "16"])
+    assert rc == 0, capsys.readouterr().err
+    res = tmp_path / "autotuning_results"
+    summary = (res / "summary.txt").read_text()
+    names = [c.name for c in enumerate_candidates(default_space(4, 1, mbs_range=(1, 1)), 4, 1)]
+    assert all(n in summary for n in names) and "best" in summary and "2 trials" in summary
+    ran = [d for d in res.iterdir() if d.is_dir() and d.name.startswith("z")]
+    assert len(ran) == 2
+    for d in ran:
+        assert {"ds_config.json", "cmd.txt", "metrics.json", "stdout.log", "stderr.log"} <= {f.name for f in d.iterdir()}
+        m = json.loads((d / "metrics.json").read_text())
+        assert m["step_time_s"] > 0 and m["peak_memory"] > 0 and m["num_params"] > 0
+    assert (tmp_path / "autotuning_exps" / f"{ran[0].name}.json").exists()
+    optimal = json.loads((res / "ds_config_optimal.json").read_text())
+    assert "autotuning" not in optimal and optimal["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    assert optimal["train_batch_size"] == 4
+    cmd = (res / "cmd_optimal.txt").read_text()
+    assert str(res / "ds_config_optimal.json") in cmd and "--n-embd 32" in cmd
+    load_config(optimal, world_size=1)
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class _MPU:
+        def get_data_parallel_world_size(self):
+            return 1
+
+    ds = DeepSpeedConfig(optimal, mpu=_MPU())
+    assert (ds.train_batch_size, ds.zero_optimization_stage) == (4, optimal["zero_optimization"]["stage"])
+
+
+FAKE = str(ROOT / "tests" / "fake_trial.py")
+
+
+def _fake_launch(nproc, script, args):
+    return [sys.executable, FAKE, script, *args]
+
+
+def test_search_prunes_runs_the_best_predictions_and_survives_a_hung_trial(tmp_path):
+    """The search on stand-in trials whose truth is known (tests/fake_trial.py): stage-2 trials hang."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_trial import truth
+
+    budget = 1.85e9
+    cfg = _user_config(tmp_path, trial_timeout=3, device_memory_budget=budget)
+    at = AutotuningConfig(**json.loads(pathlib.Path(cfg).read_text())["autotuning"])
+    pathlib.Path(cfg).write_text(json.dumps({**json.loads(pathlib.Path(cfg).read_text()), "train_batch_size": 16}))
+    tuner = Tuner("train.py", ["--deepspeed_config", cfg, "--hang-stage", "2"], nproc=2, config=at, progress=False,
+                  launch=_fake_launch)
+    result = tuner.run()
+    grid = len(tuner.candidates)
+    status = {r.candidate: r.status for r in result.records}
+    true_cfg = {r.candidate: apply_candidate({"train_batch_size": 16}, r.candidate, 2) for r in result.records}
+    fitting = [c for c in status if truth(true_cfg[c])[1] <= budget]
+    assert result.best is not None and result.best.candidate == min(fitting, key=lambda c: truth(true_cfg[c])[0])
+    pruned = [c for c, s in status.items() if s.startswith("pruned: memory")]
+    assert pruned and all(truth(true_cfg[c])[1] > budget for c in pruned)
+    hung = [c for c, s in status.items() if s.startswith("timeout")]
+    assert hung and all(c.stage == 2 for c in hung)
+    assert result.trials <= grid // 2  # calibration included (the hung stage stays unmeasured: tried more)
+    assert _live_trials(str(tmp_path / "autotuning_results")) == []  # the hung trials' other-session children too
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert all(c.name in summary for c in status) and "timeout" in summary
