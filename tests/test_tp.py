@@ -5,7 +5,8 @@ tests/tp_models.tp_reference (same seed, same global batch). fp32: losses 1e-5 r
 within 1e-5 relative (‖got − ref‖ / ‖ref‖ per tensor). AdamW's eps is 1e-6 on both sides: with the
 default 1e-8 an element whose gradient is ~1e-8 (the key bias of attention gets only rounding noise, its
 true gradient being zero) has its rounding noise amplified to a visible update, in pure data parallelism
-as much as here (measured: 1e-4 relative on c_attn.bias at DP=2 without TP). bf16: losses 2e-2
+as much as here (measured: 1e-4 relative on c_attn.bias at DP=2 without TP). bf16 and fp16 (dynamic loss
+scaling, which the reference does not need): losses 2e-2
 relative; parameters 3e-2 absolute per element, not test_parity's 2e-2: a row-parallel layer rounds each
 rank's partial product to bf16 before the sum (the reference rounds the whole product once), and AdamW
 amplifies that; measured here 2.6e-2 at TP 2 against 5.0e-3 for data parallelism alone (DP 4).
@@ -145,7 +146,7 @@ def test_input_checksum_sees_permutations():
 #: (model, tp, ZeRO stage, dtype, sequence parallel)
 CASES = [("gpt", 4, 0, "fp32", False), ("gpt", 2, 1, "fp32", False), ("gpt", 2, 2, "fp32", True),
          ("gpt", 2, 3, "fp32", False), ("gpt", 4, 3, "fp32", True), ("gpt", 2, 2, "bf16", False),
-         ("custom", 4, 2, "fp32", False)]
+         ("gpt", 2, 1, "fp16", True), ("custom", 4, 2, "fp32", False)]
 HF_CASES = [("hf", 2, 2, "fp32", False), ("hf", 4, 0, "fp32", False), ("llama", 2, 1, "fp32", False)]
 
 
@@ -251,7 +252,7 @@ def world4(tmp_path_factory):
 
 def _check_case(case, per_rank):
     kind, tp, stage, dtype, sp = case
-    ref = tp_reference(kind, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    ref = tp_reference(kind, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32))
     tol = 1e-5 if dtype == "fp32" else 2e-2
     got = per_rank[0]
     if kind == "custom":

@@ -100,6 +100,8 @@ def tp_config(tp: int, stage: int, dtype: str = "fp32", sp: bool = False, **extr
            "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp, **extra}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
 
 
