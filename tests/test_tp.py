@@ -134,6 +134,21 @@ def test_tp_model_init_merges_with_config():
         shardspeed.tp_model_init(model, tp_size=0, dtype=torch.float32)
 
 
+def test_tied_weight_split_everywhere_or_nowhere():
+    from shardspeed.parallel.tp import apply_tensor_parallel
+
+    skip_embedding = {"layer_specs": [{"patterns": ["wte$"], "partition_type": "skip"}]}
+    with pytest.raises(ConfigError, match=r"^tied weight \['wte.weight', 'lm_head.weight'\]: \['wte.weight'\] stayed "
+                                          r"whole while the others were split"):
+        apply_tensor_parallel(make_tp_model("gpt"), _single_group(), partition_config=skip_embedding)
+    # an embedding's padding row is kept (its gradient stays zero)
+    from shardspeed.parallel.tp import VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding(torch.nn.Parameter(torch.randn(8, 4)), _single_group(), padding_idx=3)
+    emb(torch.tensor([[3, 1]])).sum().backward()
+    assert float(emb.weight.grad[3].abs().sum()) == 0.0 and float(emb.weight.grad[1].abs().sum()) > 0
+
+
 def test_input_checksum_sees_permutations():
     from shardspeed.parallel.tp.inputs import input_checksum
 

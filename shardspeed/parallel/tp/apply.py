@@ -85,10 +85,17 @@ class _Converter:
     def __init__(self, model: nn.Module, group: TPGroup, sequence_parallel: bool, tracker: TPRNGTracker):
         self.model, self.group, self.sp, self.tracker = model, group, sequence_parallel, tracker
         self.tied: Dict[int, nn.Parameter] = {}
+        names: Dict[int, List[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        self.shared = {k: v for k, v in names.items() if len(v) > 1}  # tied parameters: every name
 
     def _param(self, name: str, full: nn.Parameter, dim: int, blocks: int) -> nn.Parameter:
         if id(full) in self.tied:
             return self.tied[id(full)]
+        if id(full) in self.shared and not (dim == 0 and blocks == 1):
+            raise ConfigError(f"layer '{name}': its weight is tied to {self.shared[id(full)]} and cannot be split "
+                              f"along dimension {dim}; skip the tied layers or split them alike")
         sl = make_slice(name, tuple(full.shape), dim, blocks, self.group.rank, self.group.size)
         p = sliced_parameter(take(full.detach(), sl), sl, full.requires_grad)
         self.tied[id(full)] = p
@@ -98,10 +105,11 @@ class _Converter:
         g = self.group
         if rule.kind == "embedding":
             check_divisible(name, "the vocabulary size", module.weight.shape[0], g.size)
-            if module.padding_idx is not None or module.max_norm is not None:
-                raise ConfigError(f"embedding '{name}': padding_idx/max_norm are not supported with tensor "
-                                  f"parallelism")
-            return VocabParallelEmbedding(self._param(name, module.weight, 0, 1), g, sequence_parallel=self.sp)
+            if module.max_norm is not None or module.sparse:
+                raise ConfigError(f"embedding '{name}': max_norm/sparse are not supported with tensor parallelism; "
+                                  f"leave it replicated with a partition_config 'skip' spec")
+            return VocabParallelEmbedding(self._param(name, module.weight, 0, 1), g, sequence_parallel=self.sp,
+                                          padding_idx=module.padding_idx)
         conv = _is_conv1d(module)
         out_dim, in_dim = (1, 0) if conv else (0, 1)
         if rule.kind in ("column", "qkv", "head"):
@@ -189,6 +197,7 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
         counts[rule] += 1
         report.sharded.append(name)
     report.replaced = conv.tied
+    _check_ties(model, conv)
     _share_inputs(model)
     if strict:
         _check_strict(model, report)
@@ -200,6 +209,16 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
             logger.info("tensor parallel (%d ranks): %s pattern %r (%s): %d layer(s) sharded", group.size,
                         rule.source, rule.pattern, rule.kind, n)
     return report
+
+
+def _check_ties(model: nn.Module, conv: _Converter) -> None:
+    """A tied weight split under one name must be split under every name (else the tie silently breaks)."""
+    for old_id, names in conv.shared.items():
+        if old_id in conv.tied:
+            left = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) == old_id]
+            if left:
+                raise ConfigError(f"tied weight {names}: {left} stayed whole while the others were split; split "
+                                  f"or skip all of them (e.g. the embedding and the LM head together)")
 
 
 #: Column-parallel siblings that read the same input, by leaf name (Llama-style attention and MLP).

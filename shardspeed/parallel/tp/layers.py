@@ -117,21 +117,27 @@ class VocabParallelEmbedding(nn.Module):
     elsewhere look up zeros here, and the ranks' outputs are summed (all-reduce; sequence parallel:
     reduce-scatter to this rank's sequence shard)."""
 
-    def __init__(self, weight: nn.Parameter, group: TPGroup, *, sequence_parallel: bool = False):
+    def __init__(self, weight: nn.Parameter, group: TPGroup, *, sequence_parallel: bool = False,
+                 padding_idx: Optional[int] = None):
         super().__init__()
         self.weight = weight
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
         self.vocab_start = group.rank * weight.shape[0]
+        #: the full embedding's padding row, local to this rank when it holds it (its gradient stays zero)
+        self.padding_idx = padding_idx
+        mine = padding_idx is not None and 0 <= padding_idx - self.vocab_start < weight.shape[0]
+        self._local_padding = padding_idx - self.vocab_start if mine and padding_idx is not None else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         if self.group.size > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_start + rows)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = F.embedding(local, self.weight, padding_idx=self._local_padding)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         if self.sequence_parallel:
             return comm.reduce_scatter_seq(out, self.group, SEQ_DIM)
         return comm.reduce_from(out, self.group)
