@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional, Tuple
 from . import checkpointing, comm, zero
 from .dist.init import init_distributed
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
+from .parallel.tp.setup import tp_model_init
 
 __version__ = "0.1.0"
 
@@ -52,5 +53,5 @@ def initialize(
 
 __all__ = [
     "initialize", "init_distributed", "ShardspeedError", "ConfigError", "DistributedError", "CheckpointError",
-    "LossScaleError", "__version__", "checkpointing", "comm", "zero",
+    "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
 ]

@@ -289,11 +289,13 @@ def test_config_blocks():
     assert parse_config(_config(0)).train_batch_size is None  # batch sizes wait for the data size
     assert load_config(parse_config(_config(0)), world_size=3).train_batch_size == MICRO * GAS * 3
     assert load_config(_config(0, tensor_parallel={"enabled": False})).tensor_parallel.size == 1
+    tp = load_config(_config(0, tensor_parallel={"autotp_size": 2, "preset_model": "llama", "sequence_parallel": True,
+                                                 "partition_config": {"layer_specs": []}}), world_size=2).tensor_parallel
+    assert (tp.preset_model, tp.sequence_parallel, tp.partition_config) == ("llama", True, {"layer_specs": []})
     for block, message in (
-            ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}},
-             "'tensor_parallel.partition_config': tensor-parallel layers are not implemented yet"),
-            ({"tensor_parallel": {"preset_model": "llama"}}, "'tensor_parallel.preset_model': tensor-parallel"),
-            ({"tensor_parallel": {"tp": {"tp_size": 2}}}, "'tensor_parallel.tensor_parallel': tensor-parallel"),
+            ({"tensor_parallel": {"vocab_parallel_lm_head": True}},
+             "'tensor_parallel.vocab_parallel_lm_head': this DeepSpeed AutoTP/inference option is not implemented"),
+            ({"tensor_parallel": {"tp": {"tp_size": 2}}}, "'tensor_parallel.tensor_parallel': this DeepSpeed"),
             ({"tensor_parallel": {"autotp_size": -1}}, "tensor_parallel.autotp_size = -1 is invalid"),
             ({"pipeline": {"stages": 0}}, "'pipeline.stages' = 0 is invalid: it must be \"auto\" or an integer")):
         with pytest.raises(ConfigError) as info:

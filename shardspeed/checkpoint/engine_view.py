@@ -83,6 +83,16 @@ class EngineView:
             mine = [n for n, _ in self.module.named_parameters()] + [n for n, _ in self.buffers()]
             self.model_names = set().union(*map(set, self.all_gather_object(mine)))
 
+    def refuse_tensor_parallel(self, op: str) -> None:
+        """Sharded checkpoints do not record tensor-parallel slices yet: refuse rather than write (or read)
+        slices under the full tensors' names. The same on every rank."""
+        if any(getattr(p, "tp_slice", None) is not None for p in self.module.parameters()):
+            raise CheckpointError(
+                f"{op}: checkpoints of a tensor-parallel model (tensor_parallel.autotp_size "
+                f"{self.comm.topology.model_size}) are not implemented yet; export the full weights with "
+                f"engine.save_16bit_model(...) (stage 3: with stage3_gather_16bit_weights_on_model_save), which "
+                f"gathers the slices")
+
     # ---- offloaded optimizer state (offload_optimizer with Adam/AdamW: the tiled path) -----------------
     @property
     def offloaded(self) -> bool:

@@ -36,14 +36,32 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
             out[name] = t.detach().to("cpu", copy=True)
         for alias, target in view.aliases.items():
             out[alias] = out[target]
+        out = _full_tensor_parallel(view, out)
     return out
+
+
+def _full_tensor_parallel(view: EngineView, out: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Tensor parallelism: the data rank 0 of every model rank holds slices; all-gather them over the
+    model group (collective over those ranks) so that its rank 0 holds the full tensors."""
+    from ..parallel.tp.comm import TPGroup
+    from ..parallel.tp.gather import gather_full, tensor_parallel_slices
+
+    slices = tensor_parallel_slices(view.module)
+    if not slices:
+        return out
+    return gather_full(out, slices, TPGroup.of(view.comm.topology))
+
+
+def _writer(view: EngineView) -> bool:
+    """The rank that returns and writes the full state: data rank 0 of model rank 0."""
+    return view.rank == 0 and view.comm.topology.model_rank == 0
 
 
 def gathered_state_dict(engine, exclude_frozen_parameters: bool = False, op: str = "_zero3_consolidated_16bit_state_dict"):
     """The module's full state dict (training dtype, CPU) on rank 0, None on the others; every rank calls it."""
     view = EngineView(engine, op)
     sd = _gathered_state_dict(view)
-    if view.rank != 0:
+    if not _writer(view):
         return None
     if exclude_frozen_parameters:
         frozen = {n for n, prm in view.module.named_parameters(remove_duplicate=False) if not prm.requires_grad}
@@ -61,11 +79,11 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
             "the fp32 weights from a checkpoint with shardspeed.checkpoint.consolidate / `shardspeed consolidate`."
         )
     sd = _gathered_state_dict(view)
-    if exclude_frozen_parameters and view.rank == 0:
+    if exclude_frozen_parameters and _writer(view):
         frozen = {n for n, prm in view.module.named_parameters(remove_duplicate=False) if not prm.requires_grad}
         sd = {k: v for k, v in sd.items() if k not in frozen}
     err = None
-    if view.rank == 0:
+    if _writer(view):
         try:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)

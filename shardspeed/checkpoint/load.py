@@ -282,6 +282,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     :class:`CheckpointError` and the engine is as it was.
     """
     view = EngineView(engine, "load_checkpoint")
+    view.refuse_tensor_parallel("load_checkpoint")
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:

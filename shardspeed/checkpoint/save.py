@@ -122,6 +122,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
     t0 = time.perf_counter()
     view = EngineView(engine, "save_checkpoint")
+    view.refuse_tensor_parallel("save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")

@@ -256,22 +256,24 @@ class PipelineConfig(ConfigModel):
         return 2 if self.schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
 
 
-_TP_LAYERS = ("tensor-parallel layers are not implemented yet (only autotp_size, which sizes the mesh's "
-              "model dimension, is used); remove it")
-_REFUSED_DOC = "Refused when set: tensor-parallel layers are not implemented yet."
+_TP_REFUSED = ("this DeepSpeed AutoTP/inference option is not implemented (shardspeed's tensor parallelism is "
+               "configured by autotp_size, partition_config, preset_model and sequence_parallel); remove it")
+_REFUSED_DOC = "Refused when set: not implemented."
 
 
 class TensorParallelConfig(ConfigModel):
     """`tensor_parallel`: DeepSpeed's AutoTP training block. `autotp_size` sizes the mesh's model
-    dimension; tensor-parallel layers are not implemented yet, so the ranks of a model group hold replicas
-    of the whole model (data-parallel size = world / (pipeline stages × autotp_size)). Keys that need
-    sharded layers are refused when set."""
+    dimension (data-parallel size = world / (pipeline stages × autotp_size)); `initialize` splits the
+    model's layers over it with the plan of `preset_model` (or the one the model implies:
+    `shardspeed.models.GPT`, Hugging Face GPT-2, Llama-style names) and the `partition_config` patterns.
+    Unmatched layers stay replicated (see docs/parallelism.md)."""
 
     ALIASES = {"tp": "tensor_parallel", "kernel_inject": "replace_with_kernel_inject"}
 
     autotp_size: int = field(0, "Tensor-parallel degree: the size of the mesh's model dimension (0 or 1: "
                              "none).", ge=0)
-    dtype: Optional[str] = field(None, "DeepSpeed: the dtype AutoTP converts the model to.", ignored=True)
+    dtype: Optional[str] = field(None, "DeepSpeed: the dtype AutoTP converts the model to (shardspeed uses the "
+                                 "fp16/bf16 blocks).", ignored=True)
     tp_overlap_comm: bool = field(False, "DeepSpeed: overlap tensor-parallel all-reduces with compute.",
                                   ignored=True)
     keep_module_on_host: bool = field(False, "DeepSpeed: keep checkpoint weights on the host while loading.",
@@ -279,11 +281,17 @@ class TensorParallelConfig(ConfigModel):
     vocab_parallel_ce_backend: Literal["torch", "liger"] = field(
         "torch", "DeepSpeed: the vocabulary-parallel cross-entropy kernel.", ignored=True)
     partition_config: Optional[Dict[str, Any]] = field(
-        None, "DeepSpeed: layer_specs saying which weights are split by row or column. " + _REFUSED_DOC)
-    preset_model: Optional[str] = field(None, "DeepSpeed: a built-in partition preset (\"llama\", ...). "
-                                        + _REFUSED_DOC)
-    vocab_parallel_lm_head: Optional[bool] = field(None, "DeepSpeed: shard the LM head by vocabulary. "
-                                                   + _REFUSED_DOC)
+        None, "Which layers to split: {\"layer_specs\": [{\"patterns\": [regex, ...], \"partition_type\": "
+        "\"row\"|\"column\"|\"skip\", \"shape\": [k, -1]}], \"use_default_specs\": true, "
+        "\"strict_mode\": false}; patterns match module (or weight) names with re.match, first match wins, "
+        "before the preset's rules unless use_default_specs is false.")
+    preset_model: Optional[str] = field(None, "The built-in plan: \"gpt2\", \"llama\" (also mistral, qwen2, "
+                                        "...), \"shardspeed_gpt\"; None: the one the model implies.")
+    sequence_parallel: bool = field(False, "shardspeed extension: split activations along the sequence between "
+                                    "tensor-parallel regions (norms, dropout, residuals; all-gather and "
+                                    "reduce-scatter instead of all-reduce). shardspeed.models.GPT only.")
+    vocab_parallel_lm_head: Optional[bool] = field(None, "DeepSpeed: shard the LM head by vocabulary (always "
+                                                   "done by the presets). " + _REFUSED_DOC)
     injection_policy_tuple: Optional[List[Any]] = field(None, "DeepSpeed: the AutoTP parser's injection "
                                                         "policy. " + _REFUSED_DOC)
     replace_with_kernel_inject: bool = field(False, "DeepSpeed: inject inference kernels. Also "
@@ -292,11 +300,11 @@ class TensorParallelConfig(ConfigModel):
                                             "TP settings (`tp_size`, ...). Also `tp`. " + _REFUSED_DOC)
 
     @model_validator(mode="after")
-    def _needs_tp_layers(self) -> TensorParallelConfig:
-        for key in ("partition_config", "preset_model", "vocab_parallel_lm_head", "injection_policy_tuple",
-                    "replace_with_kernel_inject", "tensor_parallel"):
+    def _refused(self) -> TensorParallelConfig:
+        for key in ("vocab_parallel_lm_head", "injection_policy_tuple", "replace_with_kernel_inject",
+                    "tensor_parallel"):
             if getattr(self, key) not in (None, False, {}):
-                raise PydanticCustomError("rejected_key", "'{key}': {reason}", {"key": key, "reason": _TP_LAYERS})
+                raise PydanticCustomError("rejected_key", "'{key}': {reason}", {"key": key, "reason": _TP_REFUSED})
         return self
 
     @property

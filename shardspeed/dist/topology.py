@@ -3,8 +3,9 @@
 The world is a device mesh with named dimensions ``("pipe", "data", "model")`` (DeepSpeed's axis order;
 ``model`` innermost, so tensor-parallel peers are neighbouring ranks): global rank
 ``= pipe_rank × data × model + data_rank × model + model_rank``. ZeRO only ever sees the data group
-(``dp_group``, ``dp_rank``, ``dp_size``). Pipeline and tensor parallelism are not implemented yet: with
-``tensor_parallel.autotp_size`` > 1 the ranks of a model group hold replicas of the whole model.
+(``dp_group``, ``dp_rank``, ``dp_size``). With ``tensor_parallel.autotp_size`` > 1 the builder splits the
+model's layers over the ``model`` group (:mod:`shardspeed.parallel.tp`); a model with no plan stays
+replicated there.
 
 Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.dist.mpu`):
 ``model_*`` here is the mesh's ``model`` dimension (tensor slicing, DeepSpeed's "slice parallel");

@@ -11,9 +11,11 @@ logits ``(B, T, vocab_size)``; the engine calls ``engine(x, y)`` → ``module(x,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -73,18 +75,24 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        #: The RNG context of the attention dropout: tensor parallelism sets its per-rank stream here
+        #: (shardspeed.parallel.tp.rng), as this rank then holds n_head / tp of the heads.
+        self.rng_fork: Callable[[], ContextManager] = contextlib.nullcontext
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        # n_embd and n_head are this rank's under tensor parallelism (the whole model's otherwise)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        B, T, _ = q.shape
         # (B, T, C) -> (B, n_head, T, head_dim)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        hd = self.n_embd // self.n_head
+        q = q.view(B, T, self.n_head, hd).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hd).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hd).transpose(1, 2)
+        with self.rng_fork():
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -166,6 +174,9 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
+        if targets is not None and getattr(self.lm_head, "vocab_parallel", False):
+            # tensor parallelism: the head returns the loss from vocabulary-parallel logits, never gathered
+            return self.lm_head(self.ln_f(x), targets, ignore_index=-1)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..offload import OffloadedMasterWeights, plan_from_config
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..parallel.tp.setup import setup_tensor_parallel, tp_size_for
 from ..pipe.engine import PipelineEngine
 from ..pipe.module import PipelineModule
 from ..pipe.plan import pipeline_stages, plan_pipeline, require_pipeline_module
@@ -128,7 +129,7 @@ def build_engine(
     if dist_init_required is not False:
         init_distributed()
     cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
-    topo = _topology(cfg, mpu, model)
+    topo = _topology(cfg, mpu, model, tp_size_for(model, int(cfg.tensor_parallel.autotp_size)))
     cfg = load_config(cfg, world_size=topo.dp_size)
     zero = cfg.zero_optimization
     stage = zero.stage
@@ -161,6 +162,12 @@ def build_engine(
     model.to(device=topo.device)
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
+    tp = cfg.tensor_parallel  # split the layers over the model group before ZeRO builds units of them
+    tp_state = setup_tensor_parallel(model, topo, comms_logger, preset_model=tp.preset_model,
+                                     partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
+                                     train_dtype=train_dtype)
+    if tp_state is not None:  # the user's parameter groups name the full parameters: point them at the slices
+        groups = [dict(g, params=[tp_state.report.replaced.get(id(p), p) for p in g["params"]]) for g in groups]
     ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, comms_logger) \
         if isinstance(model, PipelineModule) and pipe_plan is not None else []
     _broadcast_module_state(model, collectives)
@@ -212,6 +219,7 @@ def build_engine(
         gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
+        input_check=tp_state.input_check if tp_state is not None else None,
         profile_window=build_profile_window(cfg, master.units, topo.device),
     )
     if cfg.memory_breakdown:
@@ -257,10 +265,10 @@ def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topolo
                              param_numel=lambda p: sizes.get(id(p), p.numel()), device=topo.device)
 
 
-def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module) -> Topology:
+def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module, tp: int) -> Topology:
     """The mesh (pipe × data × model) from the config's sizes (a PipelineModule's num_stages for the pipe
-    dimension), or the groups of a user's mpu."""
-    stages, tp = pipeline_stages(cfg.pipeline, model), cfg.tensor_parallel.size
+    dimension; ``tp``: the model dimension), or the groups of a user's mpu."""
+    stages = pipeline_stages(cfg.pipeline, model)
     if mpu is not None:
         topo = Topology.from_mpu(mpu)
         for key, want, got in (("pipeline.stages", stages, topo.pipe_size),

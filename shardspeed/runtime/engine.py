@@ -55,6 +55,7 @@ class EngineParts:
     flops_profiler: Any = None  # shardspeed.profiling.engine_profiler.StepFlopsProfiler (flops_profiler.enabled)
     extras: Dict[str, Any] = field(default_factory=dict)
     monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
+    input_check: Any = None  # tensor parallelism: checks the first forwards' inputs agree over the model group
     profile_window: Any = None  # shardspeed.autotune.probe.ProfileWindow (autotuning.enabled: a tuner's trial)
 
 
@@ -298,6 +299,8 @@ class Engine(nn.Module):
     def forward(self, *args, **kwargs):
         with self._timers("forward"), self._flops_scope("forward"):
             args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
+            if self._p.input_check is not None:
+                self._p.input_check((args, kwargs))
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
