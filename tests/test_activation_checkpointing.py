@@ -404,13 +404,16 @@ def _tensor_parallel_cases() -> dict:
 
 
 def test_partitioned_activations_over_a_model_group_of_two():
-    """World 2 as data 1 × model 2 (replicas on the model dimension): each rank keeps half of every saved block
-    input and all-gathers it for the recompute (one all-gather per block per step, none without partitioning)."""
+    """World 2 as data 1 × model 2 (the GPT split over the model dimension, dropout on): each rank keeps half of
+    every saved block input and all-gathers it for the recompute (one all-gather per block per step more than
+    without partitioning); the recompute replays the tensor-parallel dropout stream exactly."""
     res = run_distributed(_tensor_parallel_cases, 2, timeout=240)[0]
+    def gathers(name: str) -> int:
+        return res[name]["comms"].get("all_gather", {}).get("count", 0)
+
     for name in ("partition", "partition-cpu-contiguous"):
         _close(res[name], res["plain"], 1e-6, name)
-        assert res[name]["comms"]["all_gather"]["count"] == 2 * STEPS, res[name]["comms"]
-    assert "all_gather" not in res["plain"]["comms"]
+        assert gathers(name) - gathers("plain") == 2 * STEPS, (res[name]["comms"], res["plain"]["comms"])
     _close(res["partition-3"], res["plain-3"], 1e-6, "partition, stage 3")
 
 

@@ -106,20 +106,27 @@ def test_vocab_parallel_cross_entropy_single_rank():
 
 
 def test_rng_tracker_forks_and_restores():
+    """The stream is the process tracker's "model-parallel-rng" state (what activation checkpointing restores):
+    seeded by model rank, advancing across forks, restarted by a new tracker, the default generator untouched."""
+    from shardspeed.checkpointing import get_cuda_rng_tracker
     from shardspeed.parallel.tp import TPRNGTracker
 
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    a, b = TPRNGTracker(5, 0), TPRNGTracker(5, 1)
-    assert torch.equal(torch.get_rng_state(), before)
-    with a.fork():
-        ra = torch.rand(4)
-    with b.fork():
-        rb = torch.rand(4)
-    with a.fork():
-        ra2 = torch.rand(4)
-    assert not torch.equal(ra, rb) and not torch.equal(ra, ra2)  # per-rank streams, advancing
+
+    def draws(rank: int):
+        tracker = TPRNGTracker(5, rank)
+        out = []
+        for _ in range(2):
+            with tracker.fork():
+                out.append(torch.rand(4))
+        return out
+
+    (a1, a2), (b1, _), (c1, _) = draws(0), draws(1), draws(0)
     assert torch.equal(torch.get_rng_state(), before)  # the shared stream untouched
+    assert not torch.equal(a1, b1) and not torch.equal(a1, a2)  # per-rank streams, advancing
+    assert torch.equal(a1, c1)  # a new tracker (a new engine) starts the stream afresh
+    assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
 
 
 def test_tp_model_init_merges_with_config():

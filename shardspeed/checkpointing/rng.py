@@ -41,10 +41,12 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_: set = set()
+        self._seed_of: Dict[str, int] = {}
 
     def reset(self) -> None:
         self.states_ = {}
         self.seeds_ = set()
+        self._seed_of = {}
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         """A copy of the name -> state map (the states themselves are replaced, never mutated, by fork)."""
@@ -59,10 +61,19 @@ class RNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} already exists in the tracker")
         self.seeds_.add(seed)
+        self._seed_of[name] = seed
         original = device_rng_state()
         _generator().manual_seed(seed)
         self.states_[name] = device_rng_state()
         set_device_rng_state(original)
+
+    def reseed(self, name: str, seed: int) -> None:
+        """Add the state ``name`` seeded ``seed``, replacing one of that name (a new engine starts its stream
+        afresh, as the engine before it did)."""
+        if name in self.states_:
+            del self.states_[name]
+            self.seeds_.discard(self._seed_of.pop(name, None))
+        self.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:

@@ -177,8 +177,7 @@ def apply_tensor_parallel(model: nn.Module, group: TPGroup, *, preset_model: Opt
     if sequence_parallel and preset != "shardspeed_gpt" and group.size > 1:
         raise ConfigError("tensor_parallel.sequence_parallel is implemented for shardspeed.models.GPT only; "
                           "set it to false for this model")
-    tracker = TPRNGTracker(torch.initial_seed() if seed is None else seed, group.rank,
-                           next(model.parameters()).device)
+    tracker = TPRNGTracker(torch.initial_seed() if seed is None else seed, group.rank)
     conv = _Converter(model, group, sequence_parallel and group.size > 1, tracker)
     modules = dict(model.named_modules())
     matched = match([n for n in modules if n], rules)

@@ -8,52 +8,30 @@ default generator, which every rank of the group seeds alike, so the ranks drop 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import ContextManager
 
 import torch
 import torch.nn as nn
+
+from ...checkpointing.rng import MODEL_PARALLEL_RNG, get_cuda_rng_tracker
 
 #: Megatron's offset of the tensor-parallel seed from the base seed.
 TP_SEED_OFFSET = 2718
 
 
 class TPRNGTracker:
-    """This rank's tensor-parallel stream (CPU generator, plus the device's when it is CUDA)."""
+    """This rank's tensor-parallel stream: the "model-parallel-rng" state of the process's RNG tracker
+    (:func:`shardspeed.checkpointing.get_cuda_rng_tracker`, DeepSpeed's and Megatron's), so activation
+    checkpointing restores it for a recompute and dropout in split regions replays exactly. Building one
+    seeds that state afresh with ``base_seed + 2718 + model_rank``; the default generator is untouched."""
 
-    def __init__(self, base_seed: int, model_rank: int, device: Optional[torch.device] = None):
+    def __init__(self, base_seed: int, model_rank: int):
         self.seed = int(base_seed) + TP_SEED_OFFSET + int(model_rank)
-        self.cuda = device is not None and device.type == "cuda"
-        saved = self._get()
-        torch.manual_seed(self.seed)
-        self._state = self._get()
-        self._set(saved)
+        get_cuda_rng_tracker().reseed(MODEL_PARALLEL_RNG, self.seed)
 
-    def _get(self):
-        return (torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None)
-
-    def _set(self, state) -> None:
-        torch.set_rng_state(state[0])
-        if self.cuda and state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
-
-    @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
+    def fork(self) -> ContextManager[None]:
         """Run the block on this rank's stream; the default generator is restored (untouched) after."""
-        saved = self._get()
-        self._set(self._state)
-        try:
-            yield
-        finally:
-            self._state = self._get()
-            self._set(saved)
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "cpu": self._state[0], "cuda": self._state[1]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.seed = int(sd["seed"])
-        self._state = (sd["cpu"], sd["cuda"])
+        return get_cuda_rng_tracker().fork(MODEL_PARALLEL_RNG)
 
 
 class ForkedDropout(nn.Dropout):
