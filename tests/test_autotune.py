@@ -58,8 +58,9 @@ INFO = ModelInfo(num_params=10_000_000, largest_unit=1_000_000, num_units=10, dt
 def test_candidates_keep_the_global_batch_and_valid_offload():
     cands = enumerate_candidates(default_space(16, 2), 16, 2)
     assert {c.micro_batch for c in cands} == {1, 2, 4, 8}
-    # stage 0: 4; stages 1-2: 4 x (offload or not); stage 3: 4 x 2 x 2
-    assert len(cands) == 4 + 8 + 8 + 16
+    # stage 0: 4; stages 1-2: 4 x (offload or not); stage 3: 4 x 2 x 2; each with checkpointing on and off
+    assert len(cands) == 2 * (4 + 8 + 8 + 16)
+    assert sum(c.activation_checkpointing for c in cands) == len(cands) // 2
     for c in cands:
         assert c.micro_batch * c.grad_accum * 2 == 16
         assert not (c.offload_optimizer and c.stage == 0) and not (c.offload_param and c.stage != 3)
@@ -71,7 +72,8 @@ def test_candidates_keep_the_global_batch_and_valid_offload():
 
 
 def test_apply_candidate_keeps_every_other_section_and_loads():
-    for cand in (Candidate(3, 2, 4, True, True, 1 << 20), Candidate(0, 8, 1), Candidate(2, 4, 2, True)):
+    for cand in (Candidate(3, 2, 4, True, True, 1 << 20), Candidate(0, 8, 1),
+                 Candidate(2, 4, 2, True, activation_checkpointing=True)):
         cfg = apply_candidate(USER, cand, 2)
         for key in ("bf16", "gradient_clipping", "optimizer", "scheduler", "steps_per_print"):
             assert cfg[key] == USER[key]
@@ -83,6 +85,7 @@ def test_apply_candidate_keeps_every_other_section_and_loads():
         loaded = load_config(cfg, world_size=2)
         assert (loaded.train_batch_size, loaded.train_micro_batch_size_per_gpu,
                 loaded.gradient_accumulation_steps) == (16, cand.micro_batch, cand.grad_accum)
+        assert loaded.activation_checkpointing.enabled == cand.activation_checkpointing
     assert USER["zero_optimization"]["stage"] == 1  # the user's dict untouched
 
 

@@ -27,7 +27,9 @@ import torch
 
 from shardspeed.config import AutotuningConfig, parse_config
 from shardspeed.errors import ConfigError, ShardspeedError
+from shardspeed.estimate import ModelSpec
 
+from .memory import EstimatorMemoryModel
 from .model import CostModel, LinkProfile, Measurement, ModelInfo, fits
 from .report import CandidateRecord, optimal_config_path, write_experiment, write_optimal, write_summary
 from .space import Candidate, TuningSpace, apply_candidate, default_space, enumerate_candidates, user_global_batch
@@ -114,7 +116,9 @@ class Tuner:
     config: Optional[AutotuningConfig] = None
     space: Optional[TuningSpace] = None
     prune_margin: float = 0.05  # prune only when predicted over budget by more than this share
-    unmeasured_margin: float = 0.25  # the same, for a variant (stage, offloads) no run has measured yet
+    unmeasured_margin: float = 0.10  # the same, for a variant (stage, offloads) no run has measured yet
+    model_spec: Optional[ModelSpec] = None  # the model, described without allocating (else from calibration)
+    seq_len: Optional[int] = None  # the tokens per sample, for the checkpointed share of ``model_spec``
     pair_margin: float = 0.10  # rerun a candidate and the best back to back when within this share
     progress: bool = True
     launch: Callable[[int, str, Sequence[str]], List[str]] = trial_command
@@ -246,7 +250,9 @@ class Tuner:
                          device_is_host=not torch.cuda.is_available(),
                          default_bucket=int((self.user_config.get("zero_optimization") or {})
                                             .get("reduce_bucket_size", 500_000_000)))
-        return CostModel.create(info, link).fit(self._runs)
+        memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],
+                                             seq_len=self.seq_len)
+        return CostModel.create(info, link, memory).fit(self._runs)
 
     # ---- deciding ------------------------------------------------------------------------------------
     def _fits(self, model: CostModel, c: Candidate) -> bool:

@@ -1,0 +1,105 @@
+"""The cost model's memory prior from :func:`shardspeed.estimate.estimate_peak` (pure: no process group).
+
+:class:`EstimatorMemoryModel` replaces the structural part of :class:`~.model.StateMemoryModel` (model states
++ a rough working-buffer term) with the estimator's per-rank peak for the candidate's config, activations
+left out: parameters, gradients and their buckets, master weights, optimizer states, the stage-3 gathered
+units and the offload tiles, as the engine allocates them. On top of it, as before, come a base per measured
+variant (stage, offloads: the runtime, allocator and data the estimator does not see) and activations per
+sample, both fitted from measured peaks. A variant no run has measured yet gets the estimator's structure and
+the mean base of the measured ones: that is the prior the search prunes on.
+
+The model is described without allocating it: a :class:`~shardspeed.estimate.ModelSpec` from
+``shardspeed.estimate.describe*`` when the caller has one, else one made from the calibration run's measured
+parameter count, largest ZeRO unit and number of units (:func:`spec_from_facts`).
+
+Activation checkpointing keeps ``ckpt_share`` of the activations: from the estimator's activation formulas
+(checkpointed / not, at the micro-batch and sequence length given) when the spec has a transformer shape,
+else :data:`~.model.CHECKPOINTED_ACTIVATION_SHARE`; once a checkpointed run is measured, the share is fitted.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from shardspeed.estimate import ActivationProfile, ModelSpec, estimate_peak, formula_activations
+
+from .model import Measurement, ModelInfo, StateMemoryModel, _variant, nnls
+from .space import Candidate, apply_candidate
+
+
+def spec_from_facts(num_params: int, largest_unit: int, num_units: int) -> ModelSpec:
+    """A ModelSpec from what a calibration run measured: ``num_units`` units, the largest as measured and
+    the rest of the parameters spread evenly over the others (the parameters are those units)."""
+    n = max(int(num_units), 1)
+    largest = min(int(largest_unit), int(num_params))
+    rest = int(num_params) - largest
+    others = [rest // (n - 1) + (1 if i < rest % (n - 1) else 0) for i in range(n - 1)] if n > 1 else []
+    units = tuple(u for u in [*others, largest] if u > 0)  # the root's unit last, as select_units orders them
+    return ModelSpec("measured model", units, units)
+
+
+def checkpointed_share(spec: ModelSpec, micro_batch: int, seq_len: Optional[int] = None, elem_bytes: int = 2
+                       ) -> Optional[float]:
+    """Peak activation bytes with checkpointing over those without, by the estimator's formulas for the
+    spec's transformer shape (None without one)."""
+    if spec.shape is None:
+        return None
+    s = seq_len or spec.shape.max_seq
+    on, off = (formula_activations(spec.shape, micro_batch, s, elem_bytes, checkpointing=ck).peak_bytes
+               for ck in (True, False))
+    return on / off if off > 0 else None
+
+
+@dataclass(frozen=True)
+class EstimatorMemoryModel(StateMemoryModel):
+    """:class:`StateMemoryModel` whose structure is :func:`estimate_peak` of the candidate's config."""
+
+    spec: Optional[ModelSpec] = None
+    config: Dict[str, Any] = field(default_factory=dict)  # the user's config (its autotuning block dropped)
+    _cache: Dict[Candidate, Tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def create(cls, info: ModelInfo, user_config: Dict[str, Any], spec: Optional[ModelSpec] = None,
+               micro_batch: int = 1, seq_len: Optional[int] = None) -> EstimatorMemoryModel:
+        """The prior for ``user_config`` at ``info.dp_size`` ranks; ``spec`` defaults to :func:`spec_from_facts`
+        of ``info``."""
+        cfg = {k: copy.deepcopy(v) for k, v in user_config.items() if k != "autotuning"}
+        spec = spec or spec_from_facts(info.num_params, info.largest_unit, info.num_units)
+        share = checkpointed_share(spec, micro_batch, seq_len, info.bytes_per_param)
+        model = cls(info, spec=replace(spec, activations=None), config=cfg)
+        return replace(model, ckpt_share=share) if share is not None else model
+
+    def structural(self, c: Candidate) -> Tuple[float, float]:
+        """(device, host) bytes of the estimator's peak without activations; on a CPU device the sum of the
+        training step's worst phase (device and host are one memory; the trial counts from the engine's
+        construction on, so the start-up phase is not part of it)."""
+        if c not in self._cache:
+            assert self.spec is not None
+            cfg = apply_candidate(self.config, c, self.info.dp_size)
+            zero = ActivationProfile(0.0, 0.0, c.micro_batch, 1, c.activation_checkpointing, "fitted")
+            est = estimate_peak(self.spec.with_activations(zero), cfg, world_size=self.info.dp_size,
+                                micro_batch=c.micro_batch, checkpointing=c.activation_checkpointing)
+            dev = sum(est.terms.values()) if self.info.device_is_host else est.device
+            self._cache[c] = (dev, est.host)
+        return self._cache[c]
+
+    def fit(self, runs: Sequence[Measurement]) -> EstimatorMemoryModel:
+        """The bases and activations per sample (as :meth:`StateMemoryModel.fit`); with checkpointed and
+        plain runs of the same variant measured, the checkpointed share is fitted too."""
+        fitted = super().fit(runs)
+        assert isinstance(fitted, EstimatorMemoryModel)
+        share = fitted._fit_share(runs)
+        return replace(fitted, ckpt_share=share) if share is not None else fitted
+
+    def _fit_share(self, runs: Sequence[Measurement]) -> Optional[float]:
+        """Activations of checkpointed runs over the fitted per-sample activations, or None."""
+        ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
+        measured = {_variant(r.candidate) for r in ok if not r.candidate.activation_checkpointing}
+        ck = [r for r in ok if r.candidate.activation_checkpointing and _variant(r.candidate) in measured]
+        if not ck or self.act_per_sample <= 0:
+            return None
+        ys = [r.peak_memory - self.structural(r.candidate)[0] - self._base(r.candidate) for r in ck]
+        (per_sample,) = nnls([[float(r.candidate.micro_batch)] for r in ck], ys)
+        return min(max(per_sample / self.act_per_sample, 0.0), 1.0)
