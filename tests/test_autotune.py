@@ -9,10 +9,12 @@ import os
 import pathlib
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from shardspeed.autotune.memory import EstimatorMemoryModel, checkpointed_share, spec_from_facts
 from shardspeed.autotune.model import (
     CostModel,
     LinkProfile,
@@ -116,6 +118,62 @@ def test_memory_fit_recovers_base_and_activations():
     assert fitted.base == pytest.approx(3e8, rel=1e-9) and fitted.act_per_sample == pytest.approx(4e7, rel=1e-9)
     for c in enumerate_candidates(default_space(16, 2), 16, 2):
         assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-9)
+
+
+PLAIN = {k: v for k, v in USER.items() if k != "zero_optimization"}  # the user's config, no ZeRO block
+
+
+def test_estimator_prior_is_estimate_peak_without_activations():
+    from shardspeed.estimate import ActivationProfile, estimate_peak
+
+    spec = spec_from_facts(10_000_000, 1_000_000, 10)
+    assert spec.num_params == 10_000_000 and spec.stage3_units[-1] == 1_000_000 and len(spec.stage3_units) == 10
+    mem = EstimatorMemoryModel.create(INFO, {**PLAIN, "autotuning": {"enabled": True}})
+    assert "autotuning" not in mem.config
+    for cand in (Candidate(0, 4, 2), Candidate(2, 8, 1, True), Candidate(3, 1, 8, True, True)):
+        est = estimate_peak(spec.with_activations(ActivationProfile(0, 0, cand.micro_batch, 1, False)),
+                            apply_candidate(PLAIN, cand, 2), world_size=2)
+        assert mem.structural(cand) == (est.device, est.host)
+    z0, z3 = mem.structural(Candidate(0, 4, 2))[0], mem.structural(Candidate(3, 4, 2))[0]
+    assert z0 >= 10_000_000 * (2 + 2 + 4 + 8) > z3  # bf16 params + grads, fp32 master + Adam, all on one rank
+    assert mem.structural(Candidate(2, 4, 2, True))[1] >= 10_000_000 / 2 * 12  # master + Adam on the host
+    on_cpu = EstimatorMemoryModel.create(ModelInfo(**{**INFO.__dict__, "device_is_host": True}), PLAIN)
+    dev, host = on_cpu.structural(Candidate(2, 4, 2, True))
+    assert host < dev <= mem.structural(Candidate(2, 4, 2, True))[0] + host  # one memory: the worst phase's sum
+
+
+def test_estimator_prior_fits_bases_activations_and_the_checkpointed_share():
+    prior = EstimatorMemoryModel.create(INFO, PLAIN)
+    truth = replace(prior, base=3e8, act_per_sample=4e7, ckpt_share=0.25,
+                    variant_base=(((3, False, False), 3e8), ((1, False, False), 3.4e8)))
+    cands = [Candidate(3, 1, 8), Candidate(3, 8, 1), Candidate(1, 2, 4), Candidate(3, 4, 2, activation_checkpointing=True)]
+    fitted = prior.fit([Measurement(c, truth.predict(c)[0], 1.0) for c in cands])
+    assert fitted.act_per_sample == pytest.approx(4e7, rel=1e-6) and fitted.ckpt_share == pytest.approx(0.25, rel=1e-6)
+    assert dict(fitted.variant_base)[(1, False, False)] == pytest.approx(3.4e8, rel=1e-6)
+    assert fitted.measured(Candidate(1, 8, 1)) and not fitted.measured(Candidate(2, 8, 1))
+    for c in (Candidate(1, 8, 1), Candidate(3, 2, 4, activation_checkpointing=True)):  # measured variants
+        assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-6)
+    unmeasured = Candidate(2, 8, 1, True, activation_checkpointing=True)  # the estimator + the mean base on top
+    assert fitted.predict(unmeasured)[0] == pytest.approx(
+        fitted.structural(unmeasured)[0] + 3.2e8 + 4e7 * 8 * 0.25, rel=1e-6)
+    # the prior's share comes from the activation formulas when the model's shape is known
+    from shardspeed.estimate import describe_gpt
+    from shardspeed.models import GPTConfig
+
+    spec = describe_gpt(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128), PLAIN, trace=False)
+    share = checkpointed_share(spec, 2, 64)
+    assert share is not None and 0.1 < share < 0.5 and checkpointed_share(spec_from_facts(10, 5, 2), 2) is None
+    assert EstimatorMemoryModel.create(INFO, PLAIN, spec, micro_batch=2, seq_len=64).ckpt_share == share
+
+
+def test_checkpointing_trades_memory_for_recompute_time():
+    model = CostModel.create(INFO, LINK, EstimatorMemoryModel.create(INFO, PLAIN)).fit(
+        [Measurement(Candidate(3, m, 8 // m), 1e9 + 5e7 * m, 0.1 + 0.05 * m) for m in (1, 8)])
+    plain, ckpt = model.predict(Candidate(3, 8, 1)), model.predict(Candidate(3, 8, 1, activation_checkpointing=True))
+    assert ckpt.device_bytes < plain.device_bytes and ckpt.step_time_s > plain.step_time_s
+    assert plain.device_bytes - ckpt.device_bytes == pytest.approx(
+        model.memory.act_per_sample * 8 * (1 - model.memory.ckpt_share), rel=1e-6)
+    assert ckpt.breakdown["compute"] == pytest.approx(plain.breakdown["compute"] + model.time.per_sample * 8 / 3)
 
 
 def test_time_fit_recovers_compute_terms_and_ranks_the_space():
@@ -298,7 +356,9 @@ def test_search_prunes_runs_the_best_predictions_and_survives_a_hung_trial(tmp_p
     assert pruned and all(truth(true_cfg[c])[1] > budget for c in pruned)
     hung = [c for c, s in status.items() if s.startswith("timeout")]
     assert hung and all(c.stage == 2 for c in hung)
-    assert result.trials <= grid // 2  # calibration included (the hung stage stays unmeasured: tried more)
+    assert result.trials <= grid // 4  # calibration included (the hung stage stays unmeasured: tried more)
+    assert any(c.activation_checkpointing for c in fitting) and any(not c.activation_checkpointing for c in fitting)
+    assert isinstance(result.model.memory, EstimatorMemoryModel)
     assert _live_trials(str(tmp_path / "autotuning_results")) == []  # the hung trials' other-session children too
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert all(c.name in summary for c in status) and "timeout" in summary

@@ -14,14 +14,15 @@ parameter count, largest ZeRO unit and number of units (:func:`spec_from_facts`)
 
 Activation checkpointing keeps ``ckpt_share`` of the activations: from the estimator's activation formulas
 (checkpointed / not, at the micro-batch and sequence length given) when the spec has a transformer shape,
-else :data:`~.model.CHECKPOINTED_ACTIVATION_SHARE`; once a checkpointed run is measured, the share is fitted.
+else :data:`~.model.CHECKPOINTED_ACTIVATION_SHARE`; once a checkpointed run is measured, the share is fitted
+(a column of its own in the bases' least squares).
 """
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 from shardspeed.estimate import ActivationProfile, ModelSpec, estimate_peak, formula_activations
 
@@ -86,20 +87,24 @@ class EstimatorMemoryModel(StateMemoryModel):
         return self._cache[c]
 
     def fit(self, runs: Sequence[Measurement]) -> EstimatorMemoryModel:
-        """The bases and activations per sample (as :meth:`StateMemoryModel.fit`); with checkpointed and
-        plain runs of the same variant measured, the checkpointed share is fitted too."""
-        fitted = super().fit(runs)
-        assert isinstance(fitted, EstimatorMemoryModel)
-        share = fitted._fit_share(runs)
-        return replace(fitted, ckpt_share=share) if share is not None else fitted
-
-    def _fit_share(self, runs: Sequence[Measurement]) -> Optional[float]:
-        """Activations of checkpointed runs over the fitted per-sample activations, or None."""
+        """The bases and activations per sample (as :meth:`StateMemoryModel.fit`). Once a checkpointed run
+        of a variant with plain runs at two micro-batches is measured, the checkpointed activations per
+        sample are a column of their own in the same least squares, and their ratio is the share."""
         ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
-        measured = {_variant(r.candidate) for r in ok if not r.candidate.activation_checkpointing}
-        ck = [r for r in ok if r.candidate.activation_checkpointing and _variant(r.candidate) in measured]
-        if not ck or self.act_per_sample <= 0:
-            return None
-        ys = [r.peak_memory - self.structural(r.candidate)[0] - self._base(r.candidate) for r in ck]
-        (per_sample,) = nnls([[float(r.candidate.micro_batch)] for r in ck], ys)
-        return min(max(per_sample / self.act_per_sample, 0.0), 1.0)
+        plain = [r for r in ok if not r.candidate.activation_checkpointing]
+        sizes: Dict[Tuple[int, bool, bool], Set[int]] = {_variant(r.candidate): set() for r in plain}
+        for r in plain:
+            sizes[_variant(r.candidate)].add(r.candidate.micro_batch)
+        ck = [r for r in ok if r.candidate.activation_checkpointing and _variant(r.candidate) in sizes]
+        if not ck or max(len(v) for v in sizes.values()) < 2:
+            fitted = super().fit(runs)
+            assert isinstance(fitted, EstimatorMemoryModel)
+            return fitted
+        keys = sorted({_variant(r.candidate) for r in ok})
+        rows = [[1.0 if _variant(r.candidate) == k else 0.0 for k in keys]
+                + [0.0 if r.candidate.activation_checkpointing else float(r.candidate.micro_batch),
+                   float(r.candidate.micro_batch) if r.candidate.activation_checkpointing else 0.0] for r in ok]
+        *bases, act, act_ck = nnls(rows, [r.peak_memory - self.structural(r.candidate)[0] for r in ok])
+        share = min(act_ck / act, 1.0) if act > 0 else self.ckpt_share
+        return replace(self, base=sum(bases) / len(bases), act_per_sample=act, ckpt_share=share,
+                       variant_base=tuple(zip(keys, bases)))
