@@ -9,7 +9,9 @@ predicts the rest, as the search does before it has measured anything else: the 
 (``StateMemoryModel``: ZeRO model states + a working-buffer term) and the estimator-backed one
 (``EstimatorMemoryModel``: ``shardspeed.estimate.estimate_peak``). Prints the relative errors on variants
 never measured, and which configs each would prune at the benchmark's budget (5% margin once measured, the
-tuner's ``unmeasured_margin`` otherwise) against the truth.
+tuner's ``unmeasured_margin`` otherwise) against the truth. Last, the step-time ranking's noise ceiling: how
+well a linear model fitted on all the grid's own step times ranks them (the Spearman any cost model could
+reach against that grid).
 """
 from __future__ import annotations
 
@@ -63,7 +65,29 @@ def main(path: str = str(HERE / "results" / "bench_autotune.json")) -> int:
         print(f"{label:32s} error on the {len(rest)} others: mean |e| {statistics.mean(map(abs, errs)):.1%}, "
               f"max |e| {max(map(abs, errs)):.1%}, mean e {statistics.mean(errs):+.1%}; "
               f"wrongly pruned {len(wrong)} {wrong}; predicted to fit but over {len(missed)}")
+    time_ceiling(d["grid"])
     return 0
+
+
+def time_ceiling(rows) -> None:
+    """How well any model linear in (micro-steps, stage, offloads) can rank the grid's one-shot step times:
+    least squares on all of them (in-sample, 7 free terms), against the tuner's final model's ranking."""
+    import numpy as np
+
+    from shardspeed.autotune.model import spearman
+
+    feats, meas = [], []
+    for r in rows:
+        c = parse_name(r["name"])
+        feats.append([1.0, c.grad_accum, c.stage == 1, c.stage == 2, c.stage == 3, c.offload_optimizer,
+                      c.offload_param])
+        meas.append(r["step_time_s"])
+    x, y = np.asarray(feats, dtype=float), np.asarray(meas)
+    fit = x @ np.linalg.lstsq(x, y, rcond=None)[0]
+    r2 = 1 - float(((y - fit) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    print(f"step time: the tuner's model ranks the grid at Spearman "
+          f"{spearman([r['predicted_step_s'] for r in rows], meas):.2f}; a linear fit on all {len(rows)} measured "
+          f"times themselves reaches {spearman(list(fit), meas):.2f} (R^2 {r2:.2f}): the one-shot grid's noise ceiling")
 
 
 def fits_pred(model: StateMemoryModel, c: Candidate, budget: float, margin: float) -> bool:

@@ -10,8 +10,10 @@ Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` ×
   gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
   every trial as it finishes).
 
-Any other memory estimator can stand in through :class:`MemoryModel` (the full estimator of activations
-and buffers, when it lands, replaces the fitted part).
+``act`` × micro-batch is scaled by ``ckpt_share`` with activation checkpointing. The tuner uses
+:class:`~.memory.EstimatorMemoryModel`, which takes the structure (model states, buckets, gathered units,
+offload tiles) from :func:`shardspeed.estimate.estimate_peak` instead and fits the same bases and
+activations on top; any :class:`MemoryModel` can stand in.
 
 Step time (seconds per optimizer step) = G·(α + β·m·r) + comm + optimizer + offload copies, with G
 accumulation steps of micro-batch m, r the recompute factor (4/3 with activation checkpointing):
