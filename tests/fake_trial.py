@@ -6,7 +6,8 @@ it reads the config after ``--deepspeed_config`` and writes the metrics a real t
 rank at 2 ranks, fp32 = the cost model's own structure (ZeRO model states, the bucket or gathered units,
 the optimizer step's temporaries) + 0.5 GB + 0.1 GB per sample (0.03 GB and 4/3 of the per-sample time with
 activation checkpointing), so the structural model can fit it exactly. ``--hang-stage S`` hangs at stage S after starting a child in a
-session of its own (as torchrun's workers are), which the tuner must kill too.
+session of its own (as torchrun's workers are), which the tuner must kill too. ``--no-blocks`` fails every checkpointed trial as
+the engine does for a model with no block to checkpoint.
 """
 import json
 import subprocess
@@ -44,6 +45,10 @@ def main(argv):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         print(child.pid, flush=True)
         time.sleep(600)
+    if "--no-blocks" in args and (cfg.get("activation_checkpointing") or {}).get("enabled"):
+        print("shardspeed.errors.ConfigError: no transformer block found to checkpoint; pass block_types",
+              file=sys.stderr)
+        return 1
     t, mem = truth(cfg)
     at = cfg["autotuning"]
     with open(at["metric_path"], "w") as f:

@@ -30,6 +30,7 @@ from shardspeed.autotune.report import CandidateRecord, summary_table
 from shardspeed.autotune.search import Tuner, find_config_arg
 from shardspeed.autotune.space import (
     Candidate,
+    TuningSpace,
     apply_candidate,
     default_space,
     enumerate_candidates,
@@ -362,3 +363,31 @@ def test_search_prunes_runs_the_best_predictions_and_survives_a_hung_trial(tmp_p
     assert _live_trials(str(tmp_path / "autotuning_results")) == []  # the hung trials' other-session children too
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert all(c.name in summary for c in status) and "timeout" in summary
+
+
+def test_search_checkpoints_when_memory_asks_and_skips_it_for_a_model_without_blocks(tmp_path):
+    """Stage 3 at micro-batch 1 or 8, checkpointing on or off, on fake trials (tests/fake_trial.py): at a budget
+    below micro-batch 8's plain peak the fastest config that fits is micro-batch 8 checkpointed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_trial import truth
+
+    space = TuningSpace(stages=(3,), micro_batches=(1, 8), offload_optimizer=(False,), offload_param=(False,),
+                        activation_checkpointing=(False, True))
+    z3_8, z3_8_ck = Candidate(3, 8, 1), Candidate(3, 8, 1, activation_checkpointing=True)
+    budget = (truth(apply_candidate({"train_batch_size": 16}, z3_8, 2))[1]
+              + truth(apply_candidate({"train_batch_size": 16}, z3_8_ck, 2))[1]) / 2
+    for extra, best in (([], z3_8_ck), (["--no-blocks"], Candidate(3, 1, 8))):
+        out = tmp_path / ("no_blocks" if extra else "blocks")
+        out.mkdir()
+        cfg = _user_config(out, device_memory_budget=budget)
+        pathlib.Path(cfg).write_text(json.dumps({**json.loads(pathlib.Path(cfg).read_text()), "train_batch_size": 16}))
+        tuner = Tuner("train.py", ["--deepspeed_config", cfg, *extra], nproc=2, space=space, progress=False,
+                      launch=_fake_launch)
+        result = tuner.run()
+        status = {r.candidate: r.status for r in result.records}
+        assert result.best is not None and result.best.candidate == best, status
+        assert status[z3_8] == "over budget (measured)"
+        if extra:
+            assert status[z3_8_ck].startswith("failed") and "block_types" in status[z3_8_ck]
+            assert status[Candidate(3, 1, 8, activation_checkpointing=True)].startswith("skipped: activation")
+            assert result.trials == 3

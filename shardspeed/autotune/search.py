@@ -95,6 +95,12 @@ def _dtype(cfg: Dict[str, Any]) -> str:
     return "fp16" if isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") else "fp32"
 
 
+def _checkpointing_refused(result: TrialResult) -> bool:
+    """Whether a checkpointed trial failed because the model has nothing to checkpoint (the engine's
+    ConfigError names ``block_types``), not for a reason of its own size (oom, timeout)."""
+    return result.status == "failed" and "block_types" in result.error
+
+
 @dataclass
 class TuneResult:
     best: Optional[CandidateRecord]
@@ -208,6 +214,15 @@ class Tuner:
         else:
             rec.status = f"{result.status}: {result.error}"[:120]
             logger.warning("trial %s %s: %s", cand.name, result.status, result.error)
+            if cand.activation_checkpointing and _checkpointing_refused(result):
+                self._skip_checkpointed(cand)
+
+    def _skip_checkpointed(self, failed: Candidate) -> None:
+        """The model cannot be checkpointed (no blocks found): no other checkpointed candidate will run."""
+        for c, rec in self._records.items():
+            if c.activation_checkpointing and rec.status == "not run":
+                rec.status = f"skipped: activation checkpointing failed in {failed.name}"
+        logger.warning("activation checkpointing failed in %s: the checkpointed candidates are skipped", failed.name)
 
     def probe(self) -> LinkProfile:
         """The bandwidth probe (a trial of its own); defaults when it fails."""
