@@ -152,6 +152,9 @@ def test_estimator_prior_fits_bases_activations_and_the_checkpointed_share():
     assert fitted.act_per_sample == pytest.approx(4e7, rel=1e-6) and fitted.ckpt_share == pytest.approx(0.25, rel=1e-6)
     assert dict(fitted.variant_base)[(1, False, False)] == pytest.approx(3.4e8, rel=1e-6)
     assert fitted.measured(Candidate(1, 8, 1)) and not fitted.measured(Candidate(2, 8, 1))
+    assert fitted.measured(Candidate(1, 8, 1, activation_checkpointing=True))
+    plain_only = prior.fit([Measurement(c, truth.predict(c)[0], 1.0) for c in cands[:3]])
+    assert not plain_only.measured(Candidate(1, 8, 1, activation_checkpointing=True))
     for c in (Candidate(1, 8, 1), Candidate(3, 2, 4, activation_checkpointing=True)):  # measured variants
         assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-6)
     unmeasured = Candidate(2, 8, 1, True, activation_checkpointing=True)  # the estimator + the mean base on top

@@ -59,7 +59,13 @@ class EstimatorMemoryModel(StateMemoryModel):
 
     spec: Optional[ModelSpec] = None
     config: Dict[str, Any] = field(default_factory=dict)  # the user's config (its autotuning block dropped)
+    ckpt_measured: bool = False  # whether a checkpointed run has been measured (else the share is a prior)
     _cache: Dict[Candidate, Tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
+
+    def measured(self, c: Candidate) -> bool:
+        """The variant has a measured base and, for a checkpointed candidate, some checkpointed run was measured
+        (until then its activations rest on the prior share, and the search keeps the wider margin)."""
+        return super().measured(c) and (self.ckpt_measured or not c.activation_checkpointing)
 
     @classmethod
     def create(cls, info: ModelInfo, user_config: Dict[str, Any], spec: Optional[ModelSpec] = None,
@@ -91,13 +97,18 @@ class EstimatorMemoryModel(StateMemoryModel):
         of a variant with plain runs at two micro-batches is measured, the checkpointed activations per
         sample are a column of their own in the same least squares, and their ratio is the share."""
         ok = [r for r in runs if math.isfinite(r.peak_memory) and r.peak_memory > 0]
+        if any(r.candidate.activation_checkpointing for r in ok):
+            return replace(self, ckpt_measured=True)._fit(ok)
+        return self._fit(ok)
+
+    def _fit(self, ok: Sequence[Measurement]) -> EstimatorMemoryModel:
         plain = [r for r in ok if not r.candidate.activation_checkpointing]
         sizes: Dict[Tuple[int, bool, bool], Set[int]] = {_variant(r.candidate): set() for r in plain}
         for r in plain:
             sizes[_variant(r.candidate)].add(r.candidate.micro_batch)
         ck = [r for r in ok if r.candidate.activation_checkpointing and _variant(r.candidate) in sizes]
         if not ck or max(len(v) for v in sizes.values()) < 2:
-            fitted = super().fit(runs)
+            fitted = super().fit(ok)
             assert isinstance(fitted, EstimatorMemoryModel)
             return fitted
         keys = sorted({_variant(r.candidate) for r in ok})
