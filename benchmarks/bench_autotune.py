@@ -67,6 +67,15 @@ def user_config(workdir: Path, name: str, global_batch: int, **autotuning) -> Pa
     return path
 
 
+def model_spec(a: argparse.Namespace, config):
+    """autotune_gpt.py's GPT described on the meta device (the memory prior's shape; nothing allocated)."""
+    from shardspeed.estimate import describe_gpt
+    from shardspeed.models import GPTConfig
+
+    return describe_gpt(GPTConfig(vocab_size=256, block_size=a.block_size, n_layer=a.n_layer, n_head=4,
+                                  n_embd=a.n_embd), config, trace=False)
+
+
 def script_args(cfg: Path, a: argparse.Namespace):
     return ["--deepspeed_config", str(cfg), "--n-embd", str(a.n_embd), "--n-layer", str(a.n_layer),
             "--block-size", str(a.block_size)]
@@ -133,7 +142,8 @@ def main(argv=None) -> int:
 
     cfg = user_config(workdir, "tuned", a.global_batch, device_memory_budget=budget)
     tuner = Tuner(str(HERE / "autotune_gpt.py"), script_args(cfg, a), nproc=a.nproc, space=SPACE, progress=True,
-                  config=AutotuningConfig(**json.loads(cfg.read_text())["autotuning"]))
+                  config=AutotuningConfig(**json.loads(cfg.read_text())["autotuning"]),
+                  model_spec=model_spec(a, json.loads(cfg.read_text())), seq_len=a.block_size)
     result = tuner.run()
     assert result.best is not None and result.model is not None
     tuned = result.best.candidate

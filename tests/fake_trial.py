@@ -4,8 +4,10 @@ As the bandwidth probe (``-m shardspeed.autotune.bandwidth OUT``) it writes fixe
 it reads the config after ``--deepspeed_config`` and writes the metrics a real trial would, from a known
 "truth": step time = gas·(0.02 + 0.01·mbs) + 0.004·stage (+0.003 with optimizer offload); peak memory per
 rank at 2 ranks, fp32 = the cost model's own structure (ZeRO model states, the bucket or gathered units,
-the optimizer step's temporaries) + 0.5 GB + 0.1 GB per sample, so the model can fit it exactly. ``--hang-stage S`` hangs at stage S after starting a child in a
-session of its own (as torchrun's workers are), which the tuner must kill too.
+the optimizer step's temporaries) + 0.5 GB + 0.1 GB per sample (0.03 GB and 4/3 of the per-sample time with
+activation checkpointing), so the structural model can fit it exactly. ``--hang-stage S`` hangs at stage S after starting a child in a
+session of its own (as torchrun's workers are), which the tuner must kill too. ``--no-blocks`` fails every checkpointed trial as
+the engine does for a model with no block to checkpoint.
 """
 import json
 import subprocess
@@ -20,12 +22,13 @@ DP = 2
 def truth(cfg):
     z = cfg.get("zero_optimization", {})
     stage, mbs, gas = z.get("stage", 0), cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
-    t = gas * (0.02 + 0.01 * mbs) + 0.004 * stage + (0.003 if "offload_optimizer" in z else 0.0)
+    ckpt = (cfg.get("activation_checkpointing") or {}).get("enabled", False)
+    t = gas * (0.02 + 0.01 * mbs * (4 / 3 if ckpt else 1)) + 0.004 * stage + (0.003 if "offload_optimizer" in z else 0.0)
     n = NUM_PARAMS
     states = 4 * n / (DP if stage == 3 else 1) + 4 * n / (DP if stage >= 2 else 1) + 8 * n / (DP if stage >= 1 else 1)
     working = 3 * LARGEST * 4 if stage == 3 else min(z.get("reduce_bucket_size", 500_000_000), n) * 4
     working += 4 * n / (DP if stage >= 1 else 1)
-    return t, 0.5e9 + states + working + 0.1e9 * mbs
+    return t, 0.5e9 + states + working + 0.1e9 * mbs * (0.3 if ckpt else 1.0)
 
 
 def main(argv):
@@ -42,6 +45,10 @@ def main(argv):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         print(child.pid, flush=True)
         time.sleep(600)
+    if "--no-blocks" in args and (cfg.get("activation_checkpointing") or {}).get("enabled"):
+        print("shardspeed.errors.ConfigError: no transformer block found to checkpoint; pass block_types",
+              file=sys.stderr)
+        return 1
     t, mem = truth(cfg)
     at = cfg["autotuning"]
     with open(at["metric_path"], "w") as f:

@@ -9,10 +9,12 @@ import os
 import pathlib
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from shardspeed.autotune.memory import EstimatorMemoryModel, checkpointed_share, spec_from_facts
 from shardspeed.autotune.model import (
     CostModel,
     LinkProfile,
@@ -28,6 +30,7 @@ from shardspeed.autotune.report import CandidateRecord, summary_table
 from shardspeed.autotune.search import Tuner, find_config_arg
 from shardspeed.autotune.space import (
     Candidate,
+    TuningSpace,
     apply_candidate,
     default_space,
     enumerate_candidates,
@@ -58,8 +61,9 @@ INFO = ModelInfo(num_params=10_000_000, largest_unit=1_000_000, num_units=10, dt
 def test_candidates_keep_the_global_batch_and_valid_offload():
     cands = enumerate_candidates(default_space(16, 2), 16, 2)
     assert {c.micro_batch for c in cands} == {1, 2, 4, 8}
-    # stage 0: 4; stages 1-2: 4 x (offload or not); stage 3: 4 x 2 x 2
-    assert len(cands) == 4 + 8 + 8 + 16
+    # stage 0: 4; stages 1-2: 4 x (offload or not); stage 3: 4 x 2 x 2; each with checkpointing on and off
+    assert len(cands) == 2 * (4 + 8 + 8 + 16)
+    assert sum(c.activation_checkpointing for c in cands) == len(cands) // 2
     for c in cands:
         assert c.micro_batch * c.grad_accum * 2 == 16
         assert not (c.offload_optimizer and c.stage == 0) and not (c.offload_param and c.stage != 3)
@@ -71,7 +75,8 @@ def test_candidates_keep_the_global_batch_and_valid_offload():
 
 
 def test_apply_candidate_keeps_every_other_section_and_loads():
-    for cand in (Candidate(3, 2, 4, True, True, 1 << 20), Candidate(0, 8, 1), Candidate(2, 4, 2, True)):
+    for cand in (Candidate(3, 2, 4, True, True, 1 << 20), Candidate(0, 8, 1),
+                 Candidate(2, 4, 2, True, activation_checkpointing=True)):
         cfg = apply_candidate(USER, cand, 2)
         for key in ("bf16", "gradient_clipping", "optimizer", "scheduler", "steps_per_print"):
             assert cfg[key] == USER[key]
@@ -83,6 +88,7 @@ def test_apply_candidate_keeps_every_other_section_and_loads():
         loaded = load_config(cfg, world_size=2)
         assert (loaded.train_batch_size, loaded.train_micro_batch_size_per_gpu,
                 loaded.gradient_accumulation_steps) == (16, cand.micro_batch, cand.grad_accum)
+        assert loaded.activation_checkpointing.enabled == cand.activation_checkpointing
     assert USER["zero_optimization"]["stage"] == 1  # the user's dict untouched
 
 
@@ -113,6 +119,65 @@ def test_memory_fit_recovers_base_and_activations():
     assert fitted.base == pytest.approx(3e8, rel=1e-9) and fitted.act_per_sample == pytest.approx(4e7, rel=1e-9)
     for c in enumerate_candidates(default_space(16, 2), 16, 2):
         assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-9)
+
+
+PLAIN = {k: v for k, v in USER.items() if k != "zero_optimization"}  # the user's config, no ZeRO block
+
+
+def test_estimator_prior_is_estimate_peak_without_activations():
+    from shardspeed.estimate import ActivationProfile, estimate_peak
+
+    spec = spec_from_facts(10_000_000, 1_000_000, 10)
+    assert spec.num_params == 10_000_000 and spec.stage3_units[-1] == 1_000_000 and len(spec.stage3_units) == 10
+    mem = EstimatorMemoryModel.create(INFO, {**PLAIN, "autotuning": {"enabled": True}})
+    assert "autotuning" not in mem.config
+    for cand in (Candidate(0, 4, 2), Candidate(2, 8, 1, True), Candidate(3, 1, 8, True, True)):
+        est = estimate_peak(spec.with_activations(ActivationProfile(0, 0, cand.micro_batch, 1, False)),
+                            apply_candidate(PLAIN, cand, 2), world_size=2)
+        assert mem.structural(cand) == (est.device, est.host)
+    z0, z3 = mem.structural(Candidate(0, 4, 2))[0], mem.structural(Candidate(3, 4, 2))[0]
+    assert z0 >= 10_000_000 * (2 + 2 + 4 + 8) > z3  # bf16 params + grads, fp32 master + Adam, all on one rank
+    assert mem.structural(Candidate(2, 4, 2, True))[1] >= 10_000_000 / 2 * 12  # master + Adam on the host
+    on_cpu = EstimatorMemoryModel.create(ModelInfo(**{**INFO.__dict__, "device_is_host": True}), PLAIN)
+    dev, host = on_cpu.structural(Candidate(2, 4, 2, True))
+    assert host < dev <= mem.structural(Candidate(2, 4, 2, True))[0] + host  # one memory: the worst phase's sum
+
+
+def test_estimator_prior_fits_bases_activations_and_the_checkpointed_share():
+    prior = EstimatorMemoryModel.create(INFO, PLAIN)
+    truth = replace(prior, base=3e8, act_per_sample=4e7, ckpt_share=0.25,
+                    variant_base=(((3, False, False), 3e8), ((1, False, False), 3.4e8)))
+    cands = [Candidate(3, 1, 8), Candidate(3, 8, 1), Candidate(1, 2, 4), Candidate(3, 4, 2, activation_checkpointing=True)]
+    fitted = prior.fit([Measurement(c, truth.predict(c)[0], 1.0) for c in cands])
+    assert fitted.act_per_sample == pytest.approx(4e7, rel=1e-6) and fitted.ckpt_share == pytest.approx(0.25, rel=1e-6)
+    assert dict(fitted.variant_base)[(1, False, False)] == pytest.approx(3.4e8, rel=1e-6)
+    assert fitted.measured(Candidate(1, 8, 1)) and not fitted.measured(Candidate(2, 8, 1))
+    assert fitted.measured(Candidate(1, 8, 1, activation_checkpointing=True))
+    plain_only = prior.fit([Measurement(c, truth.predict(c)[0], 1.0) for c in cands[:3]])
+    assert not plain_only.measured(Candidate(1, 8, 1, activation_checkpointing=True))
+    for c in (Candidate(1, 8, 1), Candidate(3, 2, 4, activation_checkpointing=True)):  # measured variants
+        assert fitted.predict(c)[0] == pytest.approx(truth.predict(c)[0], rel=1e-6)
+    unmeasured = Candidate(2, 8, 1, True, activation_checkpointing=True)  # the estimator + the mean base on top
+    assert fitted.predict(unmeasured)[0] == pytest.approx(
+        fitted.structural(unmeasured)[0] + 3.2e8 + 4e7 * 8 * 0.25, rel=1e-6)
+    # the prior's share comes from the activation formulas when the model's shape is known
+    from shardspeed.estimate import describe_gpt
+    from shardspeed.models import GPTConfig
+
+    spec = describe_gpt(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128), PLAIN, trace=False)
+    share = checkpointed_share(spec, 2, 64)
+    assert share is not None and 0.1 < share < 0.5 and checkpointed_share(spec_from_facts(10, 5, 2), 2) is None
+    assert EstimatorMemoryModel.create(INFO, PLAIN, spec, micro_batch=2, seq_len=64).ckpt_share == share
+
+
+def test_checkpointing_trades_memory_for_recompute_time():
+    model = CostModel.create(INFO, LINK, EstimatorMemoryModel.create(INFO, PLAIN)).fit(
+        [Measurement(Candidate(3, m, 8 // m), 1e9 + 5e7 * m, 0.1 + 0.05 * m) for m in (1, 8)])
+    plain, ckpt = model.predict(Candidate(3, 8, 1)), model.predict(Candidate(3, 8, 1, activation_checkpointing=True))
+    assert ckpt.device_bytes < plain.device_bytes and ckpt.step_time_s > plain.step_time_s
+    assert plain.device_bytes - ckpt.device_bytes == pytest.approx(
+        model.memory.act_per_sample * 8 * (1 - model.memory.ckpt_share), rel=1e-6)
+    assert ckpt.breakdown["compute"] == pytest.approx(plain.breakdown["compute"] + model.time.per_sample * 8 / 3)
 
 
 def test_time_fit_recovers_compute_terms_and_ranks_the_space():
@@ -295,7 +360,37 @@ def test_search_prunes_runs_the_best_predictions_and_survives_a_hung_trial(tmp_p
     assert pruned and all(truth(true_cfg[c])[1] > budget for c in pruned)
     hung = [c for c, s in status.items() if s.startswith("timeout")]
     assert hung and all(c.stage == 2 for c in hung)
-    assert result.trials <= grid // 2  # calibration included (the hung stage stays unmeasured: tried more)
+    assert result.trials <= grid // 4  # calibration included (the hung stage stays unmeasured: tried more)
+    assert any(c.activation_checkpointing for c in fitting) and any(not c.activation_checkpointing for c in fitting)
+    assert isinstance(result.model.memory, EstimatorMemoryModel)
     assert _live_trials(str(tmp_path / "autotuning_results")) == []  # the hung trials' other-session children too
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert all(c.name in summary for c in status) and "timeout" in summary
+
+
+def test_search_checkpoints_when_memory_asks_and_skips_it_for_a_model_without_blocks(tmp_path):
+    """Stage 3 at micro-batch 1 or 8, checkpointing on or off, on fake trials (tests/fake_trial.py): at a budget
+    below micro-batch 8's plain peak the fastest config that fits is micro-batch 8 checkpointed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_trial import truth
+
+    space = TuningSpace(stages=(3,), micro_batches=(1, 8), offload_optimizer=(False,), offload_param=(False,),
+                        activation_checkpointing=(False, True))
+    z3_8, z3_8_ck = Candidate(3, 8, 1), Candidate(3, 8, 1, activation_checkpointing=True)
+    budget = (truth(apply_candidate({"train_batch_size": 16}, z3_8, 2))[1]
+              + truth(apply_candidate({"train_batch_size": 16}, z3_8_ck, 2))[1]) / 2
+    for extra, best in (([], z3_8_ck), (["--no-blocks"], Candidate(3, 1, 8))):
+        out = tmp_path / ("no_blocks" if extra else "blocks")
+        out.mkdir()
+        cfg = _user_config(out, device_memory_budget=budget)
+        pathlib.Path(cfg).write_text(json.dumps({**json.loads(pathlib.Path(cfg).read_text()), "train_batch_size": 16}))
+        tuner = Tuner("train.py", ["--deepspeed_config", cfg, *extra], nproc=2, space=space, progress=False,
+                      launch=_fake_launch)
+        result = tuner.run()
+        status = {r.candidate: r.status for r in result.records}
+        assert result.best is not None and result.best.candidate == best, status
+        assert status[z3_8] == "over budget (measured)"
+        if extra:
+            assert status[z3_8_ck].startswith("failed") and "block_types" in status[z3_8_ck]
+            assert status[Candidate(3, 1, 8, activation_checkpointing=True)].startswith("skipped: activation")
+            assert result.trials == 3

@@ -10,8 +10,10 @@ Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` ×
   gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
   every trial as it finishes).
 
-Any other memory estimator can stand in through :class:`MemoryModel` (the full estimator of activations
-and buffers, when it lands, replaces the fitted part).
+``act`` × micro-batch is scaled by ``ckpt_share`` with activation checkpointing. The tuner uses
+:class:`~.memory.EstimatorMemoryModel`, which takes the structure (model states, buckets, gathered units,
+offload tiles) from :func:`shardspeed.estimate.estimate_peak` instead and fits the same bases and
+activations on top; any :class:`MemoryModel` can stand in.
 
 Step time (seconds per optimizer step) = G·(α + β·m·r) + comm + optimizer + offload copies, with G
 accumulation steps of micro-batch m, r the recompute factor (4/3 with activation checkpointing):
@@ -127,6 +129,7 @@ class StateMemoryModel:
     base: float = 0.0
     act_per_sample: float = 0.0
     variant_base: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
+    ckpt_share: float = CHECKPOINTED_ACTIVATION_SHARE  # activations kept with checkpointing, a share
 
     def states(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of parameters, gradients and optimizer states."""
@@ -147,9 +150,15 @@ class StateMemoryModel:
         step = 4.0 * shard if (not c.offload_optimizer or i.device_is_host) else 0.0
         return buf + step
 
+    def structural(self, c: Candidate) -> Tuple[float, float]:
+        """(device, host) bytes the structure predicts before the fitted base and activations: model states
+        plus working buffers (on a CPU device the host's share counts on the device too)."""
+        dev, host = self.states(c)
+        return dev + self.working(c), host
+
     def variable(self, c: Candidate) -> float:
-        """Per-sample activation factor of the candidate (checkpointing keeps a share)."""
-        return c.micro_batch * (CHECKPOINTED_ACTIVATION_SHARE if c.activation_checkpointing else 1.0)
+        """Per-sample activation factor of the candidate (checkpointing keeps ``ckpt_share``)."""
+        return c.micro_batch * (self.ckpt_share if c.activation_checkpointing else 1.0)
 
     def measured(self, c: Candidate) -> bool:
         """Whether the candidate's variant has a measured base."""
@@ -163,8 +172,8 @@ class StateMemoryModel:
         return sum(same_stage) / len(same_stage) if same_stage else self.base
 
     def predict(self, c: Candidate) -> Tuple[float, float]:
-        dev, host = self.states(c)
-        return self._base(c) + dev + self.working(c) + self.act_per_sample * self.variable(c), host
+        dev, host = self.structural(c)
+        return self._base(c) + dev + self.act_per_sample * self.variable(c), host
 
     def fit(self, runs: Sequence[Measurement]) -> StateMemoryModel:
         """Refit the bases (one per measured variant) and activations per sample from measured peaks."""
@@ -172,7 +181,7 @@ class StateMemoryModel:
         if not ok:
             return self
         keys = sorted({_variant(r.candidate) for r in ok})
-        ys = [r.peak_memory - self.states(r.candidate)[0] - self.working(r.candidate) for r in ok]
+        ys = [r.peak_memory - self.structural(r.candidate)[0] for r in ok]
         if len({self.variable(r.candidate) for r in ok}) < 2:  # activations cannot be told from the bases
             act = self.act_per_sample
             bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if _variant(r.candidate) == k)
@@ -273,8 +282,9 @@ class CostModel:
     measurements: Tuple[Measurement, ...] = ()
 
     @classmethod
-    def create(cls, info: ModelInfo, link: LinkProfile) -> CostModel:
-        return cls(StateMemoryModel(info), StepTimeModel(info, link))
+    def create(cls, info: ModelInfo, link: LinkProfile, memory: Optional[StateMemoryModel] = None) -> CostModel:
+        """``memory``: e.g. an :class:`~.memory.EstimatorMemoryModel` (default: the structural one)."""
+        return cls(memory or StateMemoryModel(info), StepTimeModel(info, link))
 
     def fit(self, runs: Sequence[Measurement]) -> CostModel:
         runs = tuple(runs)

@@ -27,7 +27,9 @@ import torch
 
 from shardspeed.config import AutotuningConfig, parse_config
 from shardspeed.errors import ConfigError, ShardspeedError
+from shardspeed.estimate import ModelSpec
 
+from .memory import EstimatorMemoryModel
 from .model import CostModel, LinkProfile, Measurement, ModelInfo, fits
 from .report import CandidateRecord, optimal_config_path, write_experiment, write_optimal, write_summary
 from .space import Candidate, TuningSpace, apply_candidate, default_space, enumerate_candidates, user_global_batch
@@ -93,6 +95,12 @@ def _dtype(cfg: Dict[str, Any]) -> str:
     return "fp16" if isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") else "fp32"
 
 
+def _checkpointing_refused(result: TrialResult) -> bool:
+    """Whether a checkpointed trial failed because the model has nothing to checkpoint (the engine's
+    ConfigError names ``block_types``), not for a reason of its own size (oom, timeout)."""
+    return result.status == "failed" and "block_types" in result.error
+
+
 @dataclass
 class TuneResult:
     best: Optional[CandidateRecord]
@@ -114,7 +122,9 @@ class Tuner:
     config: Optional[AutotuningConfig] = None
     space: Optional[TuningSpace] = None
     prune_margin: float = 0.05  # prune only when predicted over budget by more than this share
-    unmeasured_margin: float = 0.25  # the same, for a variant (stage, offloads) no run has measured yet
+    unmeasured_margin: float = 0.10  # the same, for a variant (stage, offloads) no run has measured yet
+    model_spec: Optional[ModelSpec] = None  # the model, described without allocating (else from calibration)
+    seq_len: Optional[int] = None  # the tokens per sample, for the checkpointed share of ``model_spec``
     pair_margin: float = 0.10  # rerun a candidate and the best back to back when within this share
     progress: bool = True
     launch: Callable[[int, str, Sequence[str]], List[str]] = trial_command
@@ -204,6 +214,15 @@ class Tuner:
         else:
             rec.status = f"{result.status}: {result.error}"[:120]
             logger.warning("trial %s %s: %s", cand.name, result.status, result.error)
+            if cand.activation_checkpointing and _checkpointing_refused(result):
+                self._skip_checkpointed(cand)
+
+    def _skip_checkpointed(self, failed: Candidate) -> None:
+        """The model cannot be checkpointed (no blocks found): no other checkpointed candidate will run."""
+        for c, rec in self._records.items():
+            if c.activation_checkpointing and rec.status == "not run":
+                rec.status = f"skipped: activation checkpointing failed in {failed.name}"
+        logger.warning("activation checkpointing failed in %s: the checkpointed candidates are skipped", failed.name)
 
     def probe(self) -> LinkProfile:
         """The bandwidth probe (a trial of its own); defaults when it fails."""
@@ -246,7 +265,9 @@ class Tuner:
                          device_is_host=not torch.cuda.is_available(),
                          default_bucket=int((self.user_config.get("zero_optimization") or {})
                                             .get("reduce_bucket_size", 500_000_000)))
-        return CostModel.create(info, link).fit(self._runs)
+        memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],
+                                             seq_len=self.seq_len)
+        return CostModel.create(info, link, memory).fit(self._runs)
 
     # ---- deciding ------------------------------------------------------------------------------------
     def _fits(self, model: CostModel, c: Candidate) -> bool:

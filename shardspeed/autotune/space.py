@@ -7,7 +7,7 @@ of a :class:`TuningSpace`; :func:`apply_candidate` writes one into a copy of the
 only the keys it tunes.
 
 Activation checkpointing is a dimension only when the engine can switch it from the config:
-:data:`ACTIVATION_CHECKPOINTING_KEY` names that key (None until the engine switch lands; then the
+:data:`ACTIVATION_CHECKPOINTING_KEY` names that key (None would take the dimension out; with it the
 space offers both values and the cost model charges the recompute).
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardspeed.errors import ConfigError
 
-#: Dotted config key of the engine's activation-checkpointing switch (None: not switchable from the config
-#: yet, so the dimension is not searched). Set it where the engine switch is added.
-ACTIVATION_CHECKPOINTING_KEY: Optional[str] = None
+#: Dotted config key of the engine's activation-checkpointing switch (``activation_checkpointing.enabled``,
+#: shardspeed's extension key: every transformer block checkpointed; DeepSpeed ignores it). None would
+#: take the dimension out of the search.
+ACTIVATION_CHECKPOINTING_KEY: Optional[str] = "activation_checkpointing.enabled"
 
 _MiB = 1 << 20
 
