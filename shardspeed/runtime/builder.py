@@ -162,18 +162,7 @@ def build_engine(
     model.to(device=topo.device)
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
-    tp = cfg.tensor_parallel  # split the layers over the model group before ZeRO builds units of them
-    if pipe_plan is not None and tp.sequence_parallel and topo.model_size > 1:
-        raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
-                          "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "
-                          "false")
-    tp_state = setup_tensor_parallel(model, topo, comms_logger, preset_model=tp.preset_model,
-                                     partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
-                                     train_dtype=train_dtype)
-    if tp_state is not None:  # the user's parameter groups name the full parameters: point them at the slices
-        groups = [dict(g, params=[tp_state.report.replaced.get(id(p), p) for p in g["params"]]) for g in groups]
-    ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, comms_logger) \
-        if isinstance(model, PipelineModule) and pipe_plan is not None else []
+    tp_state, ties, groups = _model_parallel(cfg, model, topo, comms_logger, pipe_plan, groups)
     _broadcast_module_state(model, collectives)
     comms_logger.reset()
 
@@ -238,6 +227,26 @@ def build_engine(
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
     return engine
+
+
+def _model_parallel(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,
+                    groups: List[dict]):
+    """Split the layers over the model group (tensor parallelism), then tie the pipeline's shared weights,
+    before ZeRO builds units of them. Returns (the TP state or None, the tie groups, the parameter groups
+    pointed at the slices that replaced the full parameters)."""
+    tp = cfg.tensor_parallel
+    if pipe_plan is not None and tp.sequence_parallel and topo.model_size > 1:
+        raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
+                          "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "
+                          "false")
+    tp_state = setup_tensor_parallel(model, topo, log, preset_model=tp.preset_model,
+                                     partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
+                                     train_dtype=cfg.train_dtype)
+    if tp_state is not None:  # the user's parameter groups name the full parameters: point them at the slices
+        groups = [dict(g, params=[tp_state.report.replaced.get(id(p), p) for p in g["params"]]) for g in groups]
+    ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, log) \
+        if isinstance(model, PipelineModule) and pipe_plan is not None else []
+    return tp_state, ties, groups
 
 
 def _activation_checkpointing(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log: CommsLogger) -> None:
