@@ -80,10 +80,13 @@ def _train(engine, steps):
     return losses
 
 
-def _engine(tp, stage):
+def _engine(tp, stage, offload=False):
     import shardspeed
 
-    engine, *_ = shardspeed.initialize(model=make_tp_model("gpt"), config=tp_config(tp, stage))
+    cfg = tp_config(tp, stage)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = shardspeed.initialize(model=make_tp_model("gpt"), config=cfg)
     return engine
 
 
@@ -141,8 +144,29 @@ def _coverage(path):
     return out
 
 
+def _offload(out_dir):
+    """Offloaded optimizer state (masters and moments in the host store, by tile): TP2×DP2 stage 2 saves
+    after step 2; a TP1×DP4 stage-1 engine without offload loads it, and an offloaded TP2 engine loads the
+    TP1 engine's checkpoint back."""
+    first = _engine(2, 2, offload=True)
+    _train(first, range(SAVE_AT))
+    first.save_checkpoint(out_dir, "tp2")
+    res = {"uninterrupted": _train(first, range(SAVE_AT, 5)), "uninterrupted_params": _full(first)}
+    e = _engine(1, 1)
+    e.load_checkpoint(out_dir, "tp2")
+    res["tp1"] = _train(e, range(SAVE_AT, 5))
+    res["tp1_params"] = _full(e)
+    e.save_checkpoint(out_dir, "tp1_end")
+    back = _engine(2, 2, offload=True)
+    back.load_checkpoint(out_dir, "tp1_end")
+    res["back_params"] = _full(back)
+    return res
+
+
 def _world4(out_dir):
-    return {stage: _stage(f"{out_dir}/stage{stage}", stage) for stage in (1, 3)}
+    out = {stage: _stage(f"{out_dir}/stage{stage}", stage) for stage in (1, 3)}
+    out["offload"] = _offload(f"{out_dir}/offload")
+    return out
 
 
 def _world1(out_dir):
@@ -166,13 +190,14 @@ def _close(got, want, tol, what):
         assert err <= tol, f"{what} {name}: relative error {err:.2e} > {tol}"
 
 
-@pytest.mark.parametrize("stage", (1, 3))
+@pytest.mark.parametrize("stage", (1, 3, "offload"))
 def test_resume_across_tensor_parallel_layouts(runs, stage):
     r = runs[0][0][stage]
-    assert r["tp1_steps"] == r["tp2_steps"] == SAVE_AT
-    assert r["tp2"] == r["uninterrupted"]  # same layout: bit for bit
-    for name, got in r["tp2_params"].items():
-        assert torch.equal(got, r["uninterrupted_params"][name]), name
+    if stage != "offload":
+        assert r["tp1_steps"] == r["tp2_steps"] == SAVE_AT
+        assert r["tp2"] == r["uninterrupted"]  # same layout: bit for bit
+        for name, got in r["tp2_params"].items():
+            assert torch.equal(got, r["uninterrupted_params"][name]), name
     torch.testing.assert_close(torch.tensor(r["tp1"]), torch.tensor(r["uninterrupted"]), rtol=1e-6, atol=0)
     _close(r["tp1_params"], r["uninterrupted_params"], 1e-6, f"stage {stage} TP1×DP4")
     # TP1 → TP2: the loaded slices are the TP1 engine's parameters, exactly
