@@ -52,11 +52,13 @@ def test_slice_arithmetic_round_trips():
     assert local_box_to_full(shape, (0, 3, 1, 2), [1, 0, 0], [2, 3, 4]) is None
     # rank 0 of TP 2 along dim 0 wants local elements [10, 30) from two TP-3-along-dim-1 entries and the rest
     entries = [((1, 1, r, 3), 0, 48) for r in range(3)]
-    got = torch.empty(20, dtype=torch.int64)
-    for k, dst, src in plan_sliced(shape, (0, 1, 0, 2), 10, 30, entries):
-        rank_full = local_to_full(shape, entries[k][0], torch.arange(48))
-        got[dst] = full[rank_full][src]
-    assert torch.equal(got, local_to_full(shape, (0, 1, 0, 2), torch.arange(10, 30)))
+    for chunk in (7, 1 << 22):  # chunk boundaries inside the range
+        got = torch.full((20,), -1, dtype=torch.int64)
+        for k, dst, src in plan_sliced(shape, (0, 1, 0, 2), 10, 30, entries, chunk=chunk):
+            rank_full = local_to_full(shape, entries[k][0], torch.arange(48))
+            assert bool((got[dst] == -1).all())  # each element once
+            got[dst] = full[rank_full][src]
+        assert torch.equal(got, local_to_full(shape, (0, 1, 0, 2), torch.arange(10, 30)))
     from shardspeed.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="is in no checkpoint file"):

@@ -30,7 +30,7 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -352,14 +352,15 @@ def plan_reads(entries: List[Entry], start: int, end: int) -> List[Tuple[Entry, 
 
 
 def _sliced_plan(index: EntryIndex, tensor: str, state: str, start: int, end: int,
-                 sl: Spec) -> List[Tuple[Entry, torch.Tensor, torch.Tensor]]:
+                 sl: Spec) -> Iterator[Tuple[Entry, torch.Tensor, torch.Tensor]]:
+    """:func:`~.slices.plan_sliced` over the entries of ``tensor``'s ``state`` (grouped by entry)."""
     entries = index.entries_of(tensor, state)
     shape = index.shapes.get(tensor)
     if shape is None:
         raise CheckpointError(f"{tensor!r} ({state or 'weights'}): the checkpoint has no shape for it")
     try:
-        return [(entries[k], dst, src) for k, dst, src in
-                plan_sliced(shape, sl, start, end, [(e.spec, e.start, e.end) for e in entries])]
+        for k, dst, src in plan_sliced(shape, sl, start, end, [(e.spec, e.start, e.end) for e in entries]):
+            yield entries[k], dst, src
     except CheckpointError as exc:
         raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}") from exc
 
@@ -367,7 +368,11 @@ def _sliced_plan(index: EntryIndex, tensor: str, state: str, start: int, end: in
 def entries_for(index: EntryIndex, tensor: str, state: str, start: int, end: int, sl: Spec = None) -> List[Entry]:
     """The entries a :func:`read_range` of the same arguments reads; raises if they leave a hole."""
     if sl is not None or index.sliced(tensor, state):
-        return [e for e, _, _ in _sliced_plan(index, tensor, state, start, end, sl)]
+        out: List[Entry] = []
+        for e, _, _ in _sliced_plan(index, tensor, state, start, end, sl):
+            if not out or out[-1] is not e:
+                out.append(e)
+        return out
     try:
         return [p[0] for p in plan_reads(index.overlapping(tensor, state, start, end), start, end)]
     except CheckpointError as exc:
@@ -386,8 +391,11 @@ def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, 
         out = torch.empty(end - start, dtype=dtype or torch.float32)
     if sl is not None or index.sliced(tensor, state):
         flat = out.view(-1)
+        held: Optional[Entry] = None
+        t = torch.empty(0)
         for e, dst, src in _sliced_plan(index, tensor, state, start, end, sl):
-            t = reader.read(e.file, e.key, e.crc32).reshape(-1)
+            if e is not held:  # the plan is grouped by entry: one saved entry in memory at a time
+                held, t = e, reader.read(e.file, e.key, e.crc32).reshape(-1)
             flat[dst] = t[src].to(flat.dtype)
         return out
     entries = index.overlapping(tensor, state, start, end)

@@ -87,25 +87,31 @@ def local_shape(shape: Sequence[int], spec: Spec) -> List[int]:
     return out
 
 
-def plan_sliced(shape: Sequence[int], want: Spec, start: int, end: int,
-                entries: Sequence[Tuple[Spec, int, int]]) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
+#: elements whose index arithmetic is done at once (a few int64 temporaries of this length)
+CHUNK = 1 << 22
+
+
+def plan_sliced(shape: Sequence[int], want: Spec, start: int, end: int, entries: Sequence[Tuple[Spec, int, int]],
+                chunk: int = CHUNK) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
     """For elements ``[start, end)`` of slice ``want`` and saved ``entries`` (their slice, start, end), yield
-    ``(entry index, positions in the output, positions in that entry)`` of every entry that holds some of
-    them (each element from the first such entry); raises when some element is in none."""
-    full = local_to_full(shape, want, torch.arange(start, end, dtype=torch.int64))
-    filled = torch.zeros(end - start, dtype=torch.bool)
-    cache = {}
+    ``(entry index, positions in the output, positions in that entry)`` (grouped by entry, in entry order,
+    at most ``chunk`` positions each) covering every wanted element once, from the first entry that holds
+    it; raises when some element is in none. Memory: one flag per wanted element plus chunk-sized
+    temporaries, so a reader holds one saved entry at a time."""
+    n = end - start
+    filled = torch.zeros(n, dtype=torch.bool)
     for k, (spec, lo, hi) in enumerate(entries):
-        if spec not in cache:
-            cache[spec] = full_to_local(shape, spec, full)
-        mask, local = cache[spec]
-        sel = mask & ~filled & (local >= lo) & (local < hi)
-        if not bool(sel.any()):
-            continue
-        filled |= sel
-        pos = sel.nonzero().reshape(-1)
-        yield k, pos, local[pos] - lo
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            full = local_to_full(shape, want, torch.arange(start + c0, start + c1, dtype=torch.int64))
+            mask, local = full_to_local(shape, spec, full)
+            sel = mask & ~filled[c0:c1] & (local >= lo) & (local < hi)
+            if not bool(sel.any()):
+                continue
+            filled[c0:c1] |= sel
+            pos = sel.nonzero().reshape(-1)
+            yield k, pos + c0, local[pos] - lo
     if not bool(filled.all()):
         first = int((~filled).nonzero()[0])
-        raise CheckpointError(f"element {start + first} of this slice (of {end - start} wanted from {start}) is in "
+        raise CheckpointError(f"element {start + first} of this slice (of {n} wanted from {start}) is in "
                               f"no checkpoint file")
