@@ -65,6 +65,34 @@ def test_slice_arithmetic_round_trips():
         list(plan_sliced(shape, None, 0, 48, entries[:2]))
 
 
+def test_copy_runs_equal_the_element_plan():
+    """The segment-level copies give what the element-level plan gives, for slicings along the same or
+    different dimensions, fused blocks, and ZeRO-style ranges that start and end inside rows."""
+    from shardspeed.checkpoint.slices import copy_runs, local_to_full
+
+    shape = (12, 8)
+    full = torch.arange(96)
+    cases = [((0, 3, 1, 2), [((0, 3, r, 4), 0, 24) for r in range(4)]),  # fused: TP2 from TP4
+             ((1, 1, 0, 2), [((1, 1, r, 4), lo, hi) for r in range(4) for lo, hi in ((0, 5), (5, 24))]),
+             (None, [((1, 1, r, 2), lo, hi) for r in range(2) for lo, hi in ((0, 17), (17, 48))]),
+             ((1, 1, 1, 4), [(None, 0, 40), (None, 40, 96)]),
+             ((0, 1, 1, 2), [((1, 1, r, 2), 0, 48) for r in range(2)])]  # different dimensions
+    for want, entries in cases:
+        n = 96 if want is None else 96 // want[3]
+        for start, end in ((0, n), (3, n - 5), (7, 8)):
+            got = torch.full((end - start,), -1, dtype=torch.int64)
+            for k, dst, src, ln in copy_runs(shape, want, start, end, entries):
+                held = full[local_to_full(shape, entries[k][0], torch.arange(entries[k][1], entries[k][2]))]
+                got[dst : dst + ln] = held[src : src + ln]
+            assert torch.equal(got, local_to_full(shape, want, torch.arange(start, end))), (want, start, end)
+    from shardspeed.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="in two checkpoint entries"):
+        copy_runs(shape, (1, 1, 0, 2), 0, 48, [(None, 0, 50), (None, 40, 96)])
+    with pytest.raises(CheckpointError, match="is in no checkpoint file"):
+        copy_runs(shape, (1, 1, 0, 2), 0, 48, [((1, 1, 1, 2), 0, 48)])
+
+
 # ---- world 4 ----------------------------------------------------------------------------------------
 def _train(engine, steps):
     import torch.distributed as dist

@@ -30,13 +30,13 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointError
 from .format import ShardReader
-from .slices import Spec, local_box_to_full, local_shape, plan_sliced
+from .slices import Spec, copy_runs, local_box_to_full, local_shape
 
 FORMAT = "shardspeed.checkpoint"
 VERSION = 4  # 4: tensor-parallel slices (Entry.tp); 3: metadata checksum, header CRCs; 2: entries carry layer, offsets, lengths; 1 and 2 still load
@@ -351,25 +351,25 @@ def plan_reads(entries: List[Entry], start: int, end: int) -> List[Tuple[Entry, 
     return out
 
 
-def _sliced_plan(index: EntryIndex, tensor: str, state: str, start: int, end: int,
-                 sl: Spec) -> Iterator[Tuple[Entry, torch.Tensor, torch.Tensor]]:
-    """:func:`~.slices.plan_sliced` over the entries of ``tensor``'s ``state`` (grouped by entry)."""
+def _sliced_runs(index: EntryIndex, tensor: str, state: str, start: int, end: int,
+                 sl: Spec) -> List[Tuple[Entry, int, int, int]]:
+    """:func:`~.slices.copy_runs` over the entries of ``tensor``'s ``state`` (grouped by entry)."""
     entries = index.entries_of(tensor, state)
     shape = index.shapes.get(tensor)
     if shape is None:
         raise CheckpointError(f"{tensor!r} ({state or 'weights'}): the checkpoint has no shape for it")
     try:
-        for k, dst, src in plan_sliced(shape, sl, start, end, [(e.spec, e.start, e.end) for e in entries]):
-            yield entries[k], dst, src
+        runs = copy_runs(shape, sl, start, end, [(e.spec, e.start, e.end) for e in entries])
     except CheckpointError as exc:
         raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}") from exc
+    return [(entries[k], dst, src, n) for k, dst, src, n in runs]
 
 
 def entries_for(index: EntryIndex, tensor: str, state: str, start: int, end: int, sl: Spec = None) -> List[Entry]:
     """The entries a :func:`read_range` of the same arguments reads; raises if they leave a hole."""
     if sl is not None or index.sliced(tensor, state):
         out: List[Entry] = []
-        for e, _, _ in _sliced_plan(index, tensor, state, start, end, sl):
+        for e, *_ in _sliced_runs(index, tensor, state, start, end, sl):
             if not out or out[-1] is not e:
                 out.append(e)
         return out
@@ -393,10 +393,10 @@ def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, 
         flat = out.view(-1)
         held: Optional[Entry] = None
         t = torch.empty(0)
-        for e, dst, src in _sliced_plan(index, tensor, state, start, end, sl):
-            if e is not held:  # the plan is grouped by entry: one saved entry in memory at a time
+        for e, dst, src, n in _sliced_runs(index, tensor, state, start, end, sl):
+            if e is not held:  # the runs are grouped by entry: one saved entry in memory at a time
                 held, t = e, reader.read(e.file, e.key, e.crc32).reshape(-1)
-            flat[dst] = t[src].to(flat.dtype)
+            flat[dst : dst + n].copy_(t[src : src + n])
         return out
     entries = index.overlapping(tensor, state, start, end)
     try:

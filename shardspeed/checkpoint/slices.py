@@ -115,3 +115,78 @@ def plan_sliced(shape: Sequence[int], want: Spec, start: int, end: int, entries:
         first = int((~filled).nonzero()[0])
         raise CheckpointError(f"element {start + first} of this slice (of {n} wanted from {start}) is in "
                               f"no checkpoint file")
+
+
+Run = Tuple[int, int, int, int]  # (entry index, offset in the output, offset in the entry, length)
+
+
+def _reduced(shape: Sequence[int], specs: Sequence[Spec]) -> Optional[Tuple[Tuple[int, int], int]]:
+    """When every slice cuts the same dimension: the tensor as ``(outer, D / g)`` segments of ``g × inner``
+    elements that are contiguous in every slice (``g``: the gcd of every slice's part length), and that
+    segment length; None when slices cut different dimensions."""
+    dims = {s[0] for s in specs if s is not None}
+    if len(dims) != 1:
+        return None
+    d = dims.pop()
+    size_d = int(shape[d])
+    g = size_d
+    for s in specs:
+        if s is not None:
+            g = math.gcd(g, size_d // s[1] // s[3])
+    inner = math.prod(int(x) for x in shape[d + 1 :])
+    return (math.prod(int(x) for x in shape[:d]), size_d // g), g * inner
+
+
+def _runs_of(k: int, dst: torch.Tensor, src: torch.Tensor, ln: torch.Tensor) -> List[Run]:
+    """Merge copies that continue each other in both the output and the entry."""
+    if dst.numel() == 0:
+        return []
+    brk = torch.ones(dst.numel(), dtype=torch.bool)
+    brk[1:] = (dst[1:] != dst[:-1] + ln[:-1]) | (src[1:] != src[:-1] + ln[:-1])
+    first = brk.nonzero().reshape(-1)
+    total = torch.cumsum(ln, 0)
+    last = torch.cat([first[1:] - 1, torch.tensor([dst.numel() - 1])])
+    lengths = total[last] - total[first] + ln[first]
+    return [(k, int(a), int(b), int(n)) for a, b, n in zip(dst[first], src[first], lengths)]
+
+
+def copy_runs(shape: Sequence[int], want: Spec, start: int, end: int,
+              entries: Sequence[Tuple[Spec, int, int]]) -> List[Run]:
+    """The contiguous copies that assemble elements ``[start, end)`` of slice ``want`` from saved ``entries``
+    (their slice, start, end), grouped by entry; raises when an element is in no entry or in two. Index
+    arithmetic runs on segments that stay contiguous in every slice (a row-parallel slice: one per row;
+    a column-parallel one: one in all), so a copy is a slice assignment, not an element gather."""
+    red = _reduced(shape, [want] + [e[0] for e in entries])
+    runs: List[Run] = []
+    if red is None:  # slices cut different dimensions: element by element
+        for k, dst, src in plan_sliced(shape, want, start, end, entries):
+            runs += _runs_of(k, dst, src, torch.ones_like(dst))
+        return runs
+    rshape, seg = red
+
+    def rspec(s: Spec) -> Spec:
+        return None if s is None else (1, s[1], s[2], s[3])
+
+    segs = torch.arange(start // seg, (end + seg - 1) // seg, dtype=torch.int64)
+    full = local_to_full(rshape, rspec(want), segs)
+    ws = segs * seg  # each segment's first element, counted in the wanted slice
+    filled = torch.zeros(end - start, dtype=torch.bool)
+    for k, (spec, lo, hi) in enumerate(entries):
+        mask, local = full_to_local(rshape, rspec(spec), full)
+        es = local * seg  # the same, counted in the entry's slice
+        a = torch.clamp(torch.maximum(start - ws, lo - es), min=0)
+        b = torch.clamp(torch.minimum(end - ws, hi - es), max=seg)
+        ok = mask & (b > a)
+        if not bool(ok.any()):
+            continue
+        for run in _runs_of(k, (ws + a - start)[ok], (es + a - lo)[ok], (b - a)[ok]):
+            piece = filled[run[1] : run[1] + run[3]]
+            if bool(piece.any()):
+                raise CheckpointError(f"elements from {start + run[1]} of this slice are in two checkpoint entries")
+            piece.fill_(True)
+            runs.append(run)
+    if not bool(filled.all()):
+        first = int((~filled).nonzero()[0])
+        raise CheckpointError(f"element {start + first} of this slice (of {end - start} wanted from {start}) is in "
+                              f"no checkpoint file")
+    return runs
