@@ -79,6 +79,23 @@ def micro_batch(batch: tuple, rank: int, world: int, micro: int, gas: int) -> tu
     return tuple(t[i * n : (i + 1) * n] for t in batch)
 
 
+def master_step(named: Dict[str, torch.nn.Parameter], masters: Dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+                clip: float) -> None:
+    """The references' optimizer step: move the model's gradients onto the fp32 masters (a parameter without a
+    gradient counts as a zero gradient, as in ZeRO's flat buffers), clip, step, copy the masters back."""
+    for n, m in masters.items():
+        g = named[n].grad
+        m.grad = torch.zeros_like(m) if g is None else g.float()
+        named[n].grad = None
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for n, m in masters.items():
+            named[n].copy_(m)
+
+
 def reference_train(kind: str, batches: List[tuple], lr: float, clip: float, dtype: torch.dtype = torch.float32,
                     weight_decay: float = 0.01, seed: int = 0) -> Dict[str, object]:
     """One process, plain torch: AdamW on fp32 master weights, the model computing in ``dtype``."""
@@ -92,18 +109,7 @@ def reference_train(kind: str, batches: List[tuple], lr: float, clip: float, dty
         loss = model(x, y)
         losses.append(float(loss.detach()))
         loss.backward()
-        for n, m in masters.items():
-            g = named[n].grad
-            # a parameter without a gradient this step counts as a zero gradient (as in ZeRO's flat buffers)
-            m.grad = torch.zeros_like(m) if g is None else g.float()
-            named[n].grad = None
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for n, m in masters.items():
-                named[n].copy_(m)
+        master_step(named, masters, opt, clip)
     return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
 
 

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import master_step
 
 from shardspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
@@ -96,16 +97,7 @@ def reference(kind: str, data: List[tuple], lr: float, clip: float, dtype: torch
         loss = loss_fn(kind)(model(x), y)
         losses.append(float(loss.detach()))
         loss.backward()
-        for n, m in masters.items():
-            m.grad = named[n].grad.float()
-            named[n].grad = None
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for n, m in masters.items():
-                named[n].copy_(m)
+        master_step(named, masters, opt, clip)
     return {"losses": losses, "params": {n: m.clone() for n, m in masters.items()}}
 
 

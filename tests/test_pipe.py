@@ -84,7 +84,10 @@ class Counted(nn.Linear):
             Counted.built += 1
 
 
-def test_module_builds_only_its_stage_and_names_layers_globally():
+def test_module_builds_only_its_stage_and_names_layers_globally(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # no process group (other tests may leave one)
     Counted.built = 0
     m = PipelineModule([LayerSpec(Counted, 4, 4) for _ in range(6)], num_stages=3, partition_method="uniform")
     assert Counted.built == 2 and m.chunk_layers(0) == [0, 1]  # stage 0 of 3 (no process group: pipe rank 0)

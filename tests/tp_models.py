@@ -5,6 +5,7 @@ import functools
 from typing import Dict, List, Tuple
 
 import torch
+from models import master_step
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 8
 LR, CLIP, EPS, STEPS = 1e-2, 0.05, 1e-6, 5
@@ -81,15 +82,7 @@ def tp_reference(kind: str, dtype: torch.dtype = torch.float32) -> Dict[str, obj
         loss = lm_loss(kind, model, x, y)
         losses.append(float(loss.detach()))
         loss.backward()
-        for n, m in masters.items():
-            m.grad = named[n].grad.float()
-            named[n].grad = None
-        torch.nn.utils.clip_grad_norm_(list(masters.values()), CLIP)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for n, m in masters.items():
-                named[n].copy_(m)
+        master_step(named, masters, opt, CLIP)
     return {"losses": losses, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
 
 

@@ -39,8 +39,9 @@ Differences from DeepSpeed:
   size`; given two the third is derived; only `train_batch_size` → 1 accumulation step; only the
   micro-batch → 1 accumulation step. The data-parallel size is world / (`pipeline.stages` ×
   `tensor_parallel.autotp_size`), the mesh's data dimension (or the size of `mpu=`'s data-parallel
-  group when `initialize` gets one). Tensor- and pipeline-parallel layers are not implemented yet:
-  `autotp_size` > 1 gives replicas on the model dimension, `pipeline.stages` > 1 is refused.
+  group when `initialize` gets one). `autotp_size` > 1 splits the model's layers over the model
+  dimension; more than one pipeline stage needs a `shardspeed.pipe.PipelineModule`; the two compose
+  (docs/parallelism.md).
 - Refused with a specific message: `amp` (use `bf16`/`fp16`), `elasticity`, features removed from
   DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`,
   `data_efficiency`, `compile`, `expert_parallel`, `weight_quantization`, `torch_autocast`,

@@ -188,6 +188,10 @@ class PipelineModule(nn.Module):
                 out.append(m)
         return out
 
+    def layer_classes(self) -> List[str]:
+        """The class name of every layer of the whole pipeline (all stages), in order."""
+        return list(self._class_names)
+
     def tied_keys_by_stage(self) -> Dict[str, List[int]]:
         """For each tie key, the stages (of the whole pipeline) that use it."""
         out: Dict[str, List[int]] = {}
@@ -203,7 +207,7 @@ class PipelineModule(nn.Module):
         if key not in self.tied_modules:
             return []
         module = self.tied_modules[key]
-        return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
+        return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]  # dotted names too
 
     # ---- forward ----------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, chunk: int = 0) -> Any:

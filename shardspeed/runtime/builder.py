@@ -163,6 +163,10 @@ def build_engine(
     if train_dtype != torch.float32:
         model.to(dtype=train_dtype)
     tp = cfg.tensor_parallel  # split the layers over the model group before ZeRO builds units of them
+    if pipe_plan is not None and tp.sequence_parallel and topo.model_size > 1:
+        raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
+                          "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "
+                          "false")
     tp_state = setup_tensor_parallel(model, topo, comms_logger, preset_model=tp.preset_model,
                                      partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
                                      train_dtype=train_dtype)

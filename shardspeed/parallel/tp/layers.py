@@ -142,6 +142,13 @@ class VocabParallelEmbedding(nn.Module):
             return comm.reduce_scatter_seq(out, self.group, SEQ_DIM)
         return comm.reduce_from(out, self.group)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This weight as a tied LM head: ``x @ weight.T`` over the whole vocabulary (each rank's rows,
+        gathered; the input's gradient summed over the group). ``x`` is replicated (not sequence-split)."""
+        if self.group.size == 1:
+            return x @ self.weight.t()
+        return comm.gather_from(comm.copy_to(x, self.group) @ self.weight.t(), self.group, dim=-1)
+
 
 def scatter_output_along_sequence(module: nn.Module, group: TPGroup) -> None:
     """Sequence parallelism: ``module`` runs on replicated inputs and keeps this rank's sequence shard of its

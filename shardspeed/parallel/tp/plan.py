@@ -64,9 +64,13 @@ def preset_name(model: Any, preset_model: Optional[str] = None) -> Optional[str]
                               f"{', '.join(sorted(set(PRESETS) | set(LLAMA_LIKE)))} or give partition_config")
         return name
     from ...models.gpt import GPT
+    from ...pipe.module import PipelineModule
 
     if isinstance(model, GPT):
         return "shardspeed_gpt"
+    if isinstance(model, PipelineModule) and "Block" in model.layer_classes() and any(
+            c in ("GPTEmbedding", "GPTHead") for c in model.layer_classes()):
+        return "shardspeed_gpt"  # the layers of shardspeed.models.gpt_pipe (every stage picks the same plan)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type == "gpt2":
         return "gpt2"
