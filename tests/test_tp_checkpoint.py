@@ -266,3 +266,61 @@ def test_world1_loads_a_tensor_parallel_checkpoint(runs):
     r = world4[0][1]
     torch.testing.assert_close(torch.tensor(world1["losses"]), torch.tensor(r["uninterrupted"]), rtol=1e-6, atol=0)
     _close(world1["params"], r["uninterrupted_params"], 1e-6, "world 1")
+
+
+# ---- pipeline × tensor parallelism (world 4) ----------------------------------------------------------
+def _pipe_engine(stages, tp):
+    from test_pipe_tp import _config, _model
+
+    import shardspeed
+
+    cfg = _config(1)
+    cfg["tensor_parallel"]["autotp_size"] = tp
+    engine, *_ = shardspeed.initialize(model=_model(stages, True), config=cfg)
+    return engine
+
+
+def _pipe_train(engine, steps):
+    from test_pipe_tp import GAS, MICRO, _batches
+
+    out = []
+    for x, y in [_batches()[i] for i in steps]:
+        micros = [(x[k * MICRO:(k + 1) * MICRO], y[k * MICRO:(k + 1) * MICRO]) for k in range(GAS)]
+        out.append(float(engine.train_batch(iter(micros))))
+    return out
+
+
+def _pipe_world4(out_dir):
+    """PP2 × TP2 (tied embedding split by vocabulary on both stages), ZeRO 1, saves after step 2; a
+    one-stage TP1 × DP4 pipeline engine loads it and runs steps 3-5 (losses 1e-6 relative to the
+    uninterrupted run, which is the reference's to 1e-5); rank 0 consolidates the end (1e-5)."""
+    import torch.distributed as dist
+
+    from shardspeed.checkpoint.consolidate import consolidate, load_consolidated
+
+    first = _pipe_engine(2, 2)
+    _pipe_train(first, range(SAVE_AT))
+    first.save_checkpoint(out_dir, "pptp")
+    res = {"uninterrupted": _pipe_train(first, range(SAVE_AT, 5))}
+    first.save_checkpoint(out_dir, "pptp_end")
+    e = _pipe_engine(1, 1)
+    e.load_checkpoint(out_dir, "pptp")
+    res["tp1"] = _pipe_train(e, range(SAVE_AT, 5))
+    if dist.get_rank() == 0:
+        consolidate(f"{out_dir}/pptp_end", f"{out_dir}/pptp_full")
+        res["consolidated"] = load_consolidated(f"{out_dir}/pptp_full")
+    dist.barrier()
+    return res
+
+
+def test_pipeline_tensor_parallel_checkpoint(tmp_path):
+    from test_pipe_tp import _reference
+
+    r = run_distributed(_pipe_world4, 4, str(tmp_path), timeout=240)[0]
+    assert all(loss > 3.0 for loss in r["uninterrupted"])  # about ln 64: real losses on this rank
+    torch.testing.assert_close(torch.tensor(r["tp1"]), torch.tensor(r["uninterrupted"]), rtol=1e-6, atol=0)
+    ref = _reference(True)
+    torch.testing.assert_close(torch.tensor(r["uninterrupted"]), torch.tensor(ref["losses"][SAVE_AT:]), rtol=1e-5,
+                               atol=0)
+    assert set(r["consolidated"]) >= set(ref["params"])
+    _close(r["consolidated"], ref["params"], 1e-5, "PP2×TP2 consolidated")
