@@ -175,7 +175,7 @@ def _v1_case(tmp: str):
 def test_version1_checkpoint_loads_like_version2(tmp_path):
     res = run_distributed(_v1_case, 2, str(tmp_path))
     r0 = res[0]
-    assert r0["version"] == VERSION == 3
+    assert r0["version"] == VERSION == 4
     assert r0["fields"] == [12]
     assert r0["boxes_ok"]
     # stage 2 at world 2 splits the 8x32 weight of layers.2 into two halves of 4 rows each

@@ -67,7 +67,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     meta.check_files(path)
     limit = parse_size(max_shard_size)
     reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
-    index = EntryIndex(meta.entries)
+    index = EntryIndex(meta.entries, meta.shapes)  # shapes: tensor-parallel slices map into full tensors
 
     # every output name: the stored tensors, then tied names (a copy each: safetensors cannot alias)
     names: List[Tuple[str, str]] = [(n, n) for n in meta.tensors] + sorted(meta.aliases.items())

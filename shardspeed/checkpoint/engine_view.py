@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from ..offload.master import OffloadedMasterWeights
+from .slices import Spec, spec_of
 from .stateful import CheckpointParts
 
 
@@ -82,16 +83,31 @@ class EngineView:
         if parts.coordination is not None:
             mine = [n for n, _ in self.module.named_parameters()] + [n for n, _ in self.buffers()]
             self.model_names = set().union(*map(set, self.all_gather_object(mine)))
+        self._tensor_parallel()
 
-    def refuse_tensor_parallel(self, op: str) -> None:
-        """Sharded checkpoints do not record tensor-parallel slices yet: refuse rather than write (or read)
-        slices under the full tensors' names. The same on every rank."""
-        if any(getattr(p, "tp_slice", None) is not None for p in self.module.parameters()):
-            raise CheckpointError(
-                f"{op}: checkpoints of a tensor-parallel model (tensor_parallel.autotp_size "
-                f"{self.comm.topology.model_size}) are not implemented yet; export the full weights with "
-                f"engine.save_16bit_model(...) (stage 3: with stage3_gather_16bit_weights_on_model_save), which "
-                f"gathers the slices")
+    # ---- tensor parallelism: slices are saved by their place in the full tensor ----------------------
+    def _tensor_parallel(self) -> None:
+        """Which parameters are tensor-parallel slices (``tp_slice``, see :mod:`shardspeed.parallel.tp.slicing`)
+        and which copies this rank leaves to another (a replicated parameter is saved by model rank 0)."""
+        self.model_rank = self.comm.topology.model_rank
+        self.slices: Dict[str, Any] = {}  # name -> TPSlice
+        for prm in self.module.parameters():
+            sl = getattr(prm, "tp_slice", None)
+            if sl is not None and id(prm) in self.names:
+                self.slices[self.names[id(prm)]] = sl
+
+    def spec(self, name: str) -> Spec:
+        """The tensor-parallel slice ``name`` is on this rank (``Entry.tp``), None for a whole tensor."""
+        return spec_of(self.slices.get(name))
+
+    def full_shape(self, name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+        sl = self.slices.get(name)
+        return tuple(sl.full_shape) if sl is not None else tuple(shape)
+
+    def writes_param(self, name: str) -> bool:
+        """Whether this rank's copy of ``name`` goes into the checkpoint: a slice always, a replicated
+        parameter only on model rank 0 (saved once)."""
+        return name in self.slices or self.model_rank == 0
 
     # ---- offloaded optimizer state (offload_optimizer with Adam/AdamW: the tiled path) -----------------
     @property

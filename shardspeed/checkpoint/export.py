@@ -27,11 +27,11 @@ def _gathered_state_dict(view: EngineView) -> Dict[str, torch.Tensor]:
             view.comm.all_gather(full, unit.shard_on_device())
         else:
             full = unit.full
-        if view.rank == 0:
+        if _collects(view):
             for i, prm in enumerate(unit.params):
                 out[view.names[id(prm)]] = unit.param_view(full, i).view(unit.shapes[i]).detach().to("cpu", copy=True)
         del full
-    if view.rank == 0:
+    if _collects(view):
         for name, t in view.other_params() + view.buffers():
             out[name] = t.detach().to("cpu", copy=True)
         for alias, target in view.aliases.items():
@@ -52,9 +52,15 @@ def _full_tensor_parallel(view: EngineView, out: Dict[str, torch.Tensor]) -> Dic
     return gather_full(out, slices, TPGroup.of(view.comm.topology))
 
 
+def _collects(view: EngineView) -> bool:
+    """Data rank 0 of the first pipeline stage, on every model rank: it collects the (local) weights. (Under
+    tensor parallelism ``view.rank`` is the global rank, since checkpoints are coordinated over the world.)"""
+    return view.data_rank == 0 and view.comm.topology.pipe_rank == 0
+
+
 def _writer(view: EngineView) -> bool:
     """The rank that returns and writes the full state: data rank 0 of model rank 0."""
-    return view.rank == 0 and view.comm.topology.model_rank == 0
+    return _collects(view) and view.comm.topology.model_rank == 0
 
 
 def gathered_state_dict(engine, exclude_frozen_parameters: bool = False, op: str = "_zero3_consolidated_16bit_state_dict"):

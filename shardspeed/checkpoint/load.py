@@ -16,7 +16,8 @@ from ..errors import CheckpointError
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
-from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, plan_reads, rank_file, read_range
+from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, entries_for, rank_file, read_range
+from .slices import Spec
 
 logger = logging.getLogger("shardspeed")
 
@@ -25,9 +26,9 @@ def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> se
     """Names of the current model that the checkpoint holds; raises on a mismatch when ``strict``."""
     current: Dict[str, Tuple[int, ...]] = {}
     for name, shape, _ in view.unit_params():
-        current[name] = tuple(shape)
+        current[name] = view.full_shape(name, tuple(shape))  # a tensor-parallel slice: its full tensor's
     for name, t in view.other_params() + view.buffers():
-        current[name] = tuple(t.shape)
+        current[name] = view.full_shape(name, tuple(t.shape))
     saved = set(meta.tensors)
     missing = sorted(set(current) - saved)
     unexpected = sorted(saved - (view.model_names or set(current)))  # a pipeline: other stages' names too
@@ -49,27 +50,35 @@ def _load_weights(view: EngineView, index: EntryIndex, reader: ShardReader, pres
     for pieces in ([] if view.offloaded else view.pieces()):  # offloaded masters: _load_offloaded
         for pc in pieces:
             if pc.name in present:
-                read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master)
+                read_range(reader, index, pc.name, WEIGHT, pc.start, pc.end, out=pc.master, sl=view.spec(pc.name))
     for unit, frozen in zip(view.units, view.frozen_pieces()):
         for name, start, end, shard_view in frozen:
             if name in present:
-                read_range(reader, index, name, WEIGHT, start, end, out=shard_view)
+                read_range(reader, index, name, WEIGHT, start, end, out=shard_view, sl=view.spec(name))
         view.store_frozen(unit, [f[3] for f in frozen])
     for name, t in view.other_params() + view.buffers():
         if name in present:
-            flat = read_range(reader, index, name, WEIGHT, 0, t.numel(), dtype=t.dtype)
+            flat = read_range(reader, index, name, WEIGHT, 0, t.numel(), dtype=t.dtype, sl=view.spec(name))
             t.data.copy_(flat.view(t.shape))
 
 
-def _piece_state(pc: OwnedPiece, index: EntryIndex, reader: ShardReader) -> Dict[str, Any]:
+def _state_entries(index: EntryIndex, name: str, state: str, start: int, end: int, sl: Spec) -> List[Entry]:
+    """Saved entries of a piece's optimizer ``state`` (the first tells whether it is elementwise). Slices
+    (saved or current) count ranges in different tensors: any entry of the state then stands for them."""
+    if sl is not None or index.sliced(name, state):
+        return index.entries_of(name, state)
+    return index.overlapping(name, state, start, end)
+
+
+def _piece_state(pc: OwnedPiece, index: EntryIndex, reader: ShardReader, sl: Spec = None) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     for sk in index.states_of(pc.name):
-        entries = index.overlapping(pc.name, sk, pc.start, pc.end)
+        entries = _state_entries(index, pc.name, sk, pc.start, pc.end, sl)
         if not entries:
             continue
         if entries[0].elementwise:  # one saved piece at a time; in place when it is exactly this piece
             dtype = reader.dtype_of(entries[0].file, entries[0].key)
-            out = read_range(reader, index, pc.name, sk, pc.start, pc.end, dtype=dtype)
+            out = read_range(reader, index, pc.name, sk, pc.start, pc.end, dtype=dtype, sl=sl)
             state[sk] = out.view(pc.master.shape)
         elif entries[0].file:
             state[sk] = reader.read(entries[0].file, entries[0].key, entries[0].crc32)
@@ -122,13 +131,13 @@ def _load_offloaded(view: EngineView, meta: CheckpointMetadata, index: EntryInde
         for op in by_tile.get((on_host, tile.index), []):
             a = op.segment.lo - tile.lo
             b = a + op.end - op.start
-            read_range(reader, index, op.name, WEIGHT, op.start, op.end, out=st.master[a:b])
+            read_range(reader, index, op.name, WEIGHT, op.start, op.end, out=st.master[a:b], sl=view.spec(op.name))
             if not with_optimizer:
                 continue
             for sk in ("exp_avg", "exp_avg_sq"):
                 dst = getattr(st, sk)[a:b]
                 if index.has(op.name, sk):
-                    read_range(reader, index, op.name, sk, op.start, op.end, out=dst)
+                    read_range(reader, index, op.name, sk, op.start, op.end, out=dst, sl=view.spec(op.name))
                 else:  # saved before the first step: no moments yet
                     dst.zero_()
 
@@ -154,7 +163,7 @@ def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryInde
         for t in g["params"]:
             pc = piece_of[id(t)]
             if pc.name in present:
-                st = _piece_state(pc, index, reader)
+                st = _piece_state(pc, index, reader, view.spec(pc.name))
                 if st:
                     state[idx] = st
             ids.append(idx)
@@ -208,7 +217,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     meta = CheckpointMetadata.read(path)
     meta.check_files(path)
     reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
-    index = EntryIndex(meta.entries)
+    index = EntryIndex(meta.entries, meta.shapes)
     present = _check_names(view, meta, strict)
     if with_optimizer:
         _check_optimizer_class(view, meta)
@@ -216,11 +225,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     needed: Dict[Tuple[str, str], Optional[int]] = {}
 
     def need_range(name: str, state: str, start: int, end: int) -> None:
-        try:
-            plan = plan_reads(index.overlapping(name, state, start, end), start, end)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{name!r} ({state or 'weights'}): {exc}") from exc
-        for e, *_ in plan:
+        for e in entries_for(index, name, state, start, end, view.spec(name)):
             needed[(e.file, e.key)] = e.crc32
 
     if view.offloaded:
@@ -245,7 +250,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
                 if not with_optimizer:
                     continue
                 for sk in index.states_of(pc.name):
-                    entries = index.overlapping(pc.name, sk, pc.start, pc.end)
+                    entries = _state_entries(index, pc.name, sk, pc.start, pc.end, view.spec(pc.name))
                     if entries and entries[0].elementwise:
                         need_range(pc.name, sk, pc.start, pc.end)
                     elif entries and entries[0].file:
@@ -282,7 +287,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     :class:`CheckpointError` and the engine is as it was.
     """
     view = EngineView(engine, "load_checkpoint")
-    view.refuse_tensor_parallel("load_checkpoint")
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:

@@ -15,6 +15,11 @@ Format version 3 makes every byte a load uses checked before use: ``metadata.jso
 the SHA-256 of its own canonical body (:func:`canonical_body`), and each file's record carries
 ``header_crc32``, the CRC-32 of its safetensors length prefix and header. Versions 1 and 2 (which have
 neither) still load, with a warning once per process.
+
+Format version 4 adds, per entry, ``tp``: ``[dim, blocks, rank, size]`` when the entry holds a range of a
+tensor-parallel rank's *slice* of the tensor (:mod:`.slices`; ``start``/``end`` then count in the slice and
+``offsets``/``lengths`` give its box in the full tensor), None otherwise. Versions 1-3 have no such entries
+and load unchanged.
 """
 from __future__ import annotations
 
@@ -25,15 +30,16 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointError
 from .format import ShardReader
+from .slices import Spec, copy_runs, local_box_to_full, local_shape
 
 FORMAT = "shardspeed.checkpoint"
-VERSION = 3  # 3: metadata checksum, header CRCs; 2: entries carry layer, offsets, lengths; 1 and 2 still load
+VERSION = 4  # 4: tensor-parallel slices (Entry.tp); 3: metadata checksum, header CRCs; 2: entries carry layer, offsets, lengths; 1 and 2 still load
 CHECKSUM_VERSION = 3  # the first version whose metadata.json must carry its checksum
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -89,16 +95,24 @@ class Entry:
     layer: Optional[int] = None  # global layer index of the tensor (layer_of); None: not in a layer stack
     offsets: Optional[List[int]] = None  # the N-D slice [offsets, offsets + lengths) of the tensor's global
     lengths: Optional[List[int]] = None  # shape holding exactly [start, end); None when that range is no box
+    tp: Optional[List[int]] = None  # [dim, blocks, rank, size]: the range is of this tensor-parallel slice
+
+    @property
+    def spec(self) -> Spec:
+        return None if self.tp is None else (self.tp[0], self.tp[1], self.tp[2], self.tp[3])
 
     def locate(self, shape: Sequence[int]) -> None:
         """Fill ``layer`` and the N-D slice from the name and the tensor's global ``shape``."""
         self.layer = layer_of(self.tensor)
-        box = flat_range_to_box(shape, self.start, self.end)
+        box = flat_range_to_box(local_shape(shape, self.spec), self.start, self.end)
+        if box is not None:
+            box = local_box_to_full(shape, self.spec, *box)
         self.offsets, self.lengths = box if box is not None else (None, None)
 
     def to_json(self) -> list:
         return [self.tensor, self.state, self.start, self.end, self.file, self.key, self.crc32,
-                int(self.elementwise), self.value, self.layer, self.offsets, self.lengths]
+                int(self.elementwise), self.value, self.layer, self.offsets, self.lengths] + (
+                    [] if self.tp is None else [self.tp])
 
     @classmethod
     def from_json(cls, x: list) -> Entry:
@@ -108,6 +122,8 @@ class Entry:
             e.layer = None if x[9] is None else int(x[9])
             e.offsets = None if x[10] is None else [int(v) for v in x[10]]
             e.lengths = None if x[11] is None else [int(v) for v in x[11]]
+        if len(x) >= 13 and x[12] is not None:  # version 4: a tensor-parallel slice
+            e.tp = [int(v) for v in x[12]]
         return e
 
 
@@ -236,6 +252,10 @@ class CheckpointMetadata:
             meta.locate_entries()
         return meta
 
+    @property
+    def shapes(self) -> Dict[str, List[int]]:
+        return {n: info.shape for n, info in self.tensors.items()}
+
     def locate_entries(self) -> None:
         """Fill every entry's layer index and N-D slice from the tensor table."""
         for e in self.entries:
@@ -277,7 +297,9 @@ class CheckpointMetadata:
 class EntryIndex:
     """Entries grouped by (tensor, state) and sorted by start, for range look-ups."""
 
-    def __init__(self, entries: List[Entry]):
+    def __init__(self, entries: List[Entry], shapes: Optional[Mapping[str, Sequence[int]]] = None):
+        #: full shapes of the tensors (needed to read tensor-parallel slices: ``CheckpointMetadata.shapes``)
+        self.shapes: Dict[str, Sequence[int]] = dict(shapes or {})
         self._by: Dict[Tuple[str, str], List[Entry]] = {}
         for e in entries:
             self._by.setdefault((e.tensor, e.state), []).append(e)
@@ -285,6 +307,13 @@ class EntryIndex:
         for k, lst in self._by.items():
             lst.sort(key=lambda e: e.start)
             self._starts[k] = [e.start for e in lst]
+
+    def entries_of(self, tensor: str, state: str = WEIGHT) -> List[Entry]:
+        return self._by.get((tensor, state), [])
+
+    def sliced(self, tensor: str, state: str = WEIGHT) -> bool:
+        """Whether some entry of ``tensor``'s ``state`` holds a range of a tensor-parallel slice."""
+        return any(e.tp is not None for e in self._by.get((tensor, state), []))
 
     def states_of(self, tensor: str) -> List[str]:
         return sorted(s for (t, s) in self._by if t == tensor and s != WEIGHT)
@@ -322,13 +351,54 @@ def plan_reads(entries: List[Entry], start: int, end: int) -> List[Tuple[Entry, 
     return out
 
 
+def _sliced_runs(index: EntryIndex, tensor: str, state: str, start: int, end: int,
+                 sl: Spec) -> List[Tuple[Entry, int, int, int]]:
+    """:func:`~.slices.copy_runs` over the entries of ``tensor``'s ``state`` (grouped by entry)."""
+    entries = index.entries_of(tensor, state)
+    shape = index.shapes.get(tensor)
+    if shape is None:
+        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): the checkpoint has no shape for it")
+    try:
+        runs = copy_runs(shape, sl, start, end, [(e.spec, e.start, e.end) for e in entries])
+    except CheckpointError as exc:
+        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}") from exc
+    return [(entries[k], dst, src, n) for k, dst, src, n in runs]
+
+
+def entries_for(index: EntryIndex, tensor: str, state: str, start: int, end: int, sl: Spec = None) -> List[Entry]:
+    """The entries a :func:`read_range` of the same arguments reads; raises if they leave a hole."""
+    if sl is not None or index.sliced(tensor, state):
+        out: List[Entry] = []
+        for e, *_ in _sliced_runs(index, tensor, state, start, end, sl):
+            if not out or out[-1] is not e:
+                out.append(e)
+        return out
+    try:
+        return [p[0] for p in plan_reads(index.overlapping(tensor, state, start, end), start, end)]
+    except CheckpointError as exc:
+        raise CheckpointError(f"{tensor!r} ({state or 'weights'}): {exc}") from exc
+
+
 def read_range(reader: ShardReader, index: EntryIndex, tensor: str, state: str, start: int, end: int,
-               out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+               sl: Spec = None) -> torch.Tensor:
     """Elements ``[start, end)`` of the flattened ``tensor`` (or its optimizer ``state``), assembled from the
-    files that hold them. Reads each overlapping entry once (bounded by one saved piece), verifying its CRC."""
-    entries = index.overlapping(tensor, state, start, end)
+    files that hold them. Reads each overlapping entry once (bounded by one saved piece), verifying its CRC.
+
+    ``sl``: the range counts in this tensor-parallel slice of the tensor (None: in the full tensor). When it
+    is set or the saved entries are slices, elements are matched through their place in the full tensor."""
     if out is None:
         out = torch.empty(end - start, dtype=dtype or torch.float32)
+    if sl is not None or index.sliced(tensor, state):
+        flat = out.view(-1)
+        held: Optional[Entry] = None
+        t = torch.empty(0)
+        for e, dst, src, n in _sliced_runs(index, tensor, state, start, end, sl):
+            if e is not held:  # the runs are grouped by entry: one saved entry in memory at a time
+                held, t = e, reader.read(e.file, e.key, e.crc32).reshape(-1)
+            flat[dst : dst + n].copy_(t[src : src + n])
+        return out
+    entries = index.overlapping(tensor, state, start, end)
     try:
         plan = plan_reads(entries, start, end)
     except CheckpointError as exc:

@@ -51,31 +51,43 @@ def _rank_items(view: EngineView) -> Tuple[List[Tuple[str, Union[torch.Tensor, L
         if not view.writes_unit(unit):
             continue
         for pc in pieces:
+            if not view.writes_param(pc.name):
+                continue
+            tp = _tp(view, pc.name)
             key = f"w/{pc.name}/{pc.start}"
             items.append((key, pc.master))
-            entries.append(Entry(pc.name, WEIGHT, pc.start, pc.end, file, key))
+            entries.append(Entry(pc.name, WEIGHT, pc.start, pc.end, file, key, tp=tp))
             for sk, sv in opt_state.get(pc.master, {}).items():
                 skey = f"o/{sk}/{pc.name}/{pc.start}"
                 if torch.is_tensor(sv):
                     elementwise = sv.numel() == pc.master.numel() and sv.dim() >= 1
                     items.append((skey, sv))
-                    entries.append(Entry(pc.name, str(sk), pc.start, pc.end, file, skey, elementwise=elementwise))
+                    entries.append(Entry(pc.name, str(sk), pc.start, pc.end, file, skey, elementwise=elementwise,
+                                         tp=tp))
                 else:
                     entries.append(Entry(pc.name, str(sk), pc.start, pc.end, "", "", elementwise=False,
-                                         value=_jsonable(sv)))
+                                         value=_jsonable(sv), tp=tp))
     for unit, frozen in zip(view.units, view.frozen_pieces()):
         if not view.writes_unit(unit):
             continue
         for name, start, end, t in frozen:
-            key = f"w/{name}/{start}"
-            items.append((key, t))
-            entries.append(Entry(name, WEIGHT, start, end, file, key))
+            if view.writes_param(name):
+                key = f"w/{name}/{start}"
+                items.append((key, t))
+                entries.append(Entry(name, WEIGHT, start, end, file, key, tp=_tp(view, name)))
     if view.data_rank == 0:  # held whole by every rank of the data group
         for name, t in view.other_params() + view.buffers():
-            key = f"w/{name}/0"
-            items.append((key, t.detach()))
-            entries.append(Entry(name, WEIGHT, 0, t.numel(), file, key))
+            if view.writes_param(name):
+                key = f"w/{name}/0"
+                items.append((key, t.detach()))
+                entries.append(Entry(name, WEIGHT, 0, t.numel(), file, key, tp=_tp(view, name)))
     return items, entries, groups
+
+
+def _tp(view: EngineView, name: str) -> Optional[List[int]]:
+    """``Entry.tp`` of a parameter: its tensor-parallel slice on this rank, None when it is whole here."""
+    spec = view.spec(name)
+    return None if spec is None else list(spec)
 
 
 def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]],
@@ -86,32 +98,36 @@ def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[t
     steps = view.optimizer_steps
     master = view.tiled_master()
     for op in view.offloaded_pieces():
+        if not view.writes_param(op.name):
+            continue
         n = op.end - op.start
+        tp = _tp(view, op.name)
 
         def lazy(name: str, seg=op.segment, n=n) -> LazyTensor:
             return LazyTensor((n,), torch.float32, lambda: master.read_segment(seg, name))
 
         key = f"w/{op.name}/{op.start}"
         items.append((key, lazy("master")))
-        entries.append(Entry(op.name, WEIGHT, op.start, op.end, file, key))
+        entries.append(Entry(op.name, WEIGHT, op.start, op.end, file, key, tp=tp))
         if steps == 0:
             continue  # as torch's Adam before its first step: no state yet
         for sk in ("exp_avg", "exp_avg_sq"):
             skey = f"o/{sk}/{op.name}/{op.start}"
             items.append((skey, lazy(sk)))
-            entries.append(Entry(op.name, sk, op.start, op.end, file, skey, elementwise=True))
+            entries.append(Entry(op.name, sk, op.start, op.end, file, skey, elementwise=True, tp=tp))
         skey = f"o/step/{op.name}/{op.start}"
         items.append((skey, torch.tensor(float(steps), dtype=torch.float32)))  # torch Adam's 0-dim step
-        entries.append(Entry(op.name, "step", op.start, op.end, file, skey, elementwise=False))
+        entries.append(Entry(op.name, "step", op.start, op.end, file, skey, elementwise=False, tp=tp))
 
 
 def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
     tensors: Dict[str, TensorInfo] = {}
     for name, shape, trainable in view.unit_params():
-        tensors[name] = TensorInfo(list(shape), "float32", "param") if trainable else \
-            TensorInfo(list(shape), dtype_name(view.train_dtype), "frozen")
+        full = list(view.full_shape(name, shape))  # a tensor-parallel slice: the full tensor's shape
+        tensors[name] = TensorInfo(full, "float32", "param") if trainable else \
+            TensorInfo(full, dtype_name(view.train_dtype), "frozen")
     for name, prm in view.other_params():
-        tensors[name] = TensorInfo(list(prm.shape), dtype_name(prm.dtype), "frozen")
+        tensors[name] = TensorInfo(list(view.full_shape(name, tuple(prm.shape))), dtype_name(prm.dtype), "frozen")
     for name, buf in view.buffers():
         tensors[name] = TensorInfo(list(buf.shape), dtype_name(buf.dtype), "buffer")
     return tensors
@@ -122,7 +138,6 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
     t0 = time.perf_counter()
     view = EngineView(engine, "save_checkpoint")
-    view.refuse_tensor_parallel("save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")

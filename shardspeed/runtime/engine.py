@@ -392,8 +392,21 @@ class Engine(nn.Module):
             train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
             loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
             rng=RNGState(), param_manager=p.param_manager,
-            gather_16bit_weights_on_save=p.gather_16bit_weights_on_save,
+            gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=self._world_collectives(),
         )
+
+    def _world_collectives(self) -> Optional[Collectives]:
+        """Under tensor parallelism, the world's collectives: every rank writes its own file (numbered by global
+        rank) into one checkpoint; None when the data group is the world of the checkpoint."""
+        topo = self._p.topology
+        if topo.model_size == 1:
+            return None
+        if getattr(self, "_world_comm", None) is None:
+            import torch.distributed as dist
+
+            world = Topology(dp_group=None, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), device=topo.device)
+            self._world_comm = Collectives(world, self._p.comms_logger)
+        return self._world_comm
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:
