@@ -22,6 +22,11 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.harness import init_gloo, worker_setup  # noqa: E402
+
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"]
 
 
@@ -40,7 +45,9 @@ def _make_layer_class():
     import torch
     import torch.nn as nn
 
-    class SleepX(torch.autograd.Function):
+    class Sleep(torch.autograd.Function):
+        """Sleep t/2 forward and t backward (one for the input gradient, one for the weight gradient)."""
+
         @staticmethod
         def forward(ctx, x, t):
             ctx.t = t
@@ -49,19 +56,7 @@ def _make_layer_class():
 
         @staticmethod
         def backward(ctx, g):
-            time.sleep(ctx.t)  # the input gradient: t
-            return g, None
-
-    class SleepW(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, w, t):
-            ctx.t = t
-            time.sleep(t / 2)
-            return w.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(ctx.t)  # the weight gradient: t
+            time.sleep(ctx.t)
             return g, None
 
     class SleepLayer(nn.Module):
@@ -71,7 +66,7 @@ def _make_layer_class():
             self.w = nn.Parameter(torch.zeros(1))
 
         def forward(self, x):
-            return SleepX.apply(x, self.t) + SleepW.apply(self.w, self.t)
+            return Sleep.apply(x, self.t) + Sleep.apply(self.w, self.t)
 
     return SleepLayer
 
@@ -81,15 +76,12 @@ def _loss(out, y):
 
 
 def _worker(rank: int, world: int, port: int, system: str, m: int, t: float, steps: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    worker_setup(rank, world, port, threads=1)
     try:
-        sys.path.insert(0, ROOT)
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_gloo(rank, world)
         layer = _make_layer_class()
         cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
                                "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}

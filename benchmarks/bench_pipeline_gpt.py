@@ -31,6 +31,11 @@ import zlib
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.harness import init_gloo, worker_setup  # noqa: E402
+
 SHAPE = dict(vocab_size=8192, block_size=64, n_layer=8, n_head=8, n_embd=256)  # 10.5M parameters
 MICRO, GAS, SEQ = 2, 8, 64
 _DS_NORMS: List[float] = []  # what DeepSpeed's clip_grad_norm_ returned (its ZeRO 0 fp32 path)
@@ -122,15 +127,11 @@ def _model_whole():
 
 
 def _worker(rank: int, world: int, port: int, stages: List[int], steps: int, warmup: int, clip: float, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    worker_setup(rank, world, port, threads=1)
     try:
-        sys.path.insert(0, ROOT)
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_gloo(rank, world)
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
