@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
@@ -25,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.harness import init_gloo, worker_setup  # noqa: E402
+from benchmarks.harness import init_gloo, run_once, worker_setup  # noqa: E402
 
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"]
 
@@ -118,22 +116,7 @@ def _worker(rank: int, world: int, port: int, system: str, m: int, t: float, ste
 
 
 def measure(system: str, p: int, m: int, t: float, steps: int) -> float:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, p, port, system, m, t, steps, q), daemon=True) for r in range(p)]
-    for pr in procs:
-        pr.start()
-    status, value = q.get(timeout=600)
-    for pr in procs:
-        pr.join(timeout=30)
-        if pr.is_alive():
-            pr.kill()
-    if status != "ok":
-        raise RuntimeError(f"{system} p={p} m={m} failed:\n{value}")
-    return float(value)
+    return float(run_once(_worker, p, (system, m, t, steps), 600, f"{system} p={p} m={m}"))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.harness import init_gloo, worker_setup  # noqa: E402
+from benchmarks.harness import init_gloo, run_once, worker_setup  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, block_size=64, n_layer=8, n_head=8, n_embd=256)  # 10.5M parameters
 MICRO, GAS, SEQ = 2, 8, 64
@@ -193,22 +191,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_pipeline_gpt.json"))
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.stages, args.steps, args.warmup, args.clip, q),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    status, value = q.get(timeout=3000)
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if status != "ok":
-        raise RuntimeError(value)
+    value = run_once(_worker, 2, (args.stages, args.steps, args.warmup, args.clip), 3000, "PP=2 GPT")
     result = {"load_average_after": os.getloadavg(), "shape": SHAPE, "micro": MICRO, "gas": GAS, "seq": SEQ, "clip": args.clip, "steps": args.steps,
               "warmup": args.warmup, "results": value}
     with open(args.out, "w") as f:

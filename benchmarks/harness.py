@@ -134,6 +134,26 @@ def next_result(res_q, procs, system: str, deadline: float) -> Tuple[int, str, A
         return rank, kind, payload
 
 
+def run_once(target, world: int, args: tuple, timeout: float, what: str) -> Any:
+    """Spawn ``world`` workers ``target(rank, world, port, *args, q)`` on a free port, wait for the one
+    ``("ok" | "error", value)`` a worker puts on ``q``, then stop them all: the value, or a RuntimeError
+    naming ``what`` with the worker's traceback."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q), daemon=True) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    status, value = q.get(timeout=timeout)
+    for pr in procs:
+        pr.join(timeout=30)
+        if pr.is_alive():
+            pr.kill()
+    if status != "ok":
+        raise RuntimeError(f"{what} failed:\n{value}")
+    return value
+
+
 def worker_setup(rank: int, world: int, port: int, threads: int) -> None:
     """A benchmark worker's start: torchrun's variables, quiet logs, ``threads`` intra-op threads."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
