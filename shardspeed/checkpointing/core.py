@@ -62,7 +62,7 @@ def model_group_comm(topology: Topology, log: Optional[CommsLogger] = None) -> O
     """The collectives of ``topology``'s tensor-parallel (model) group; None when it has one rank."""
     if topology.model_size <= 1 or topology.model_group is None:
         return None
-    return Collectives(Topology.data_parallel(topology.model_group), log)
+    return Collectives.over(topology.model_group, log)
 
 
 def _mpu_comm(mpu: Any) -> Optional[Collectives]:
@@ -72,7 +72,7 @@ def _mpu_comm(mpu: Any) -> Optional[Collectives]:
             group = getter()
             if group is None or dist.get_world_size(group) <= 1:
                 return None
-            return Collectives(Topology.data_parallel(group))
+            return Collectives.over(group)
     raise ConfigError(f"mpu_ must have get_tensor_model_parallel_group() or get_model_parallel_group() (a "
                       f"Megatron-style model-parallel unit); got {type(mpu).__name__}")
 

@@ -167,6 +167,12 @@ class Collectives:
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
         self.gloo_slice_bytes = 16 * 2**20
 
+    @classmethod
+    def over(cls, group: Optional[dist.ProcessGroup], logger_: Optional[CommsLogger] = None) -> "Collectives":
+        """The collectives of another process group of the mesh (model, pipe, a tie group; None: the world),
+        logged into ``logger_``."""
+        return cls(Topology.data_parallel(group), logger_)
+
     def _run(self, op: str, fn, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> CommHandle:
         rec = self.log.start(op, tensor, self.world)
         describe = f"{op}({tensor.numel()} x {tensor.dtype})"

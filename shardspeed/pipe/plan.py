@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..dist.comms import CommsLogger
+from ..dist.comms import Collectives, CommsLogger
 from ..dist.topology import Topology
 from ..errors import ConfigError
 from .engine import PipeParts
 from .module import PipelineModule
 from .partition import rank_of_stage, stages_of_rank
-from .ties import sub_collectives
 
 
 def pipeline_stages(pcfg, model: nn.Module) -> int:
@@ -46,5 +45,5 @@ def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger)
     if model.stage_ids != stage_ids or len(model.parts) - 1 != total:
         model.assign_stages(total, stage_ids)
     return PipeParts(schedule=name, virtual_stages=v, total_stages=total, stage_ids=stage_ids,
-                     pipe_comm=sub_collectives(topo, topo.pipe_group, log), world_comm=sub_collectives(topo, None, log),
+                     pipe_comm=Collectives.over(topo.pipe_group, log), world_comm=Collectives.over(None, log),
                      last_stage_pipe_rank=rank_of_stage(total - 1, p, v, name))

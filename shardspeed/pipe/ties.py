@@ -10,7 +10,7 @@ parameter once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,6 @@ class TieGroup:
     params: List[nn.Parameter]
     comm: Collectives
     owner: bool  # this rank holds the copy that counts (the lowest pipe rank)
-
-
-def sub_collectives(topo: Topology, group: Optional[dist.ProcessGroup], log: CommsLogger) -> Collectives:
-    """`Collectives` over another group of the mesh (pipe, tie): a Topology whose data group is it."""
-    return Collectives(Topology(dp_group=group, dp_rank=dist.get_rank(group), dp_size=dist.get_world_size(group),
-                                device=topo.device), log)
 
 
 def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virtual_stages: int,
@@ -62,7 +56,7 @@ def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virt
         if mine is None:
             continue
         params = module.tied_parameters(key)
-        comm = sub_collectives(topo, mine, log)
+        comm = Collectives.over(mine, log)
         with torch.no_grad():
             for p in params:
                 comm.broadcast(p.data, 0)

@@ -104,6 +104,7 @@ class Engine(nn.Module):
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
         self._progress: Any = None  # the bar of progress(), refreshed after each optimizer step
+        self._world_comm: Optional[Collectives] = None  # the world's collectives, made on first use (TP checkpoints)
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
@@ -398,14 +399,10 @@ class Engine(nn.Module):
     def _world_collectives(self) -> Optional[Collectives]:
         """Under tensor parallelism, the world's collectives: every rank writes its own file (numbered by global
         rank) into one checkpoint; None when the data group is the world of the checkpoint."""
-        topo = self._p.topology
-        if topo.model_size == 1:
+        if self._p.topology.model_size == 1:
             return None
-        if getattr(self, "_world_comm", None) is None:
-            import torch.distributed as dist
-
-            world = Topology(dp_group=None, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), device=topo.device)
-            self._world_comm = Collectives(world, self._p.comms_logger)
+        if self._world_comm is None:
+            self._world_comm = Collectives.over(None, self._p.comms_logger)
         return self._world_comm
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,

@@ -39,9 +39,7 @@ class TPGroup:
     @classmethod
     def of(cls, topology: Topology, log: CommsLogger | None = None) -> TPGroup:
         """The model group of ``topology`` (its ``model_*`` fields), logging into ``log``."""
-        view = Topology(dp_group=topology.model_group, dp_rank=topology.model_rank, dp_size=topology.model_size,
-                        device=topology.device)
-        return cls(Collectives(view, log))
+        return cls(Collectives.over(topology.model_group, log))
 
     def chunk(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of ``x`` cut into ``size`` equal parts along ``dim``."""
