@@ -21,3 +21,11 @@ def test_replica_never_counts():
     mark_tensor_parallel(p)
     mark_replica(p)
     assert not counts_in_norm(p, 0) and not counts_in_norm(p, 1)
+
+
+def test_counted_ranges_leave_out_the_skipped_pieces():
+    from shardspeed.zero.master import _counted_ranges
+
+    assert _counted_ranges(10, []) is None  # nothing skipped: the whole chunk, no slicing
+    assert _counted_ranges(10, [(7, 1), (2, 3)]) == [(0, 2), (5, 7), (8, 10)]
+    assert _counted_ranges(10, [(0, 10)]) == []

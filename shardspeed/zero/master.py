@@ -40,6 +40,21 @@ def device_master(unit: FlatParamUnit) -> torch.Tensor:
     return unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
 
 
+def _counted_ranges(numel: int, skipped: List[Tuple[int, int]]) -> Optional[List[Tuple[int, int]]]:
+    """The [start, end) ranges of a chunk of ``numel`` elements outside the ``skipped`` (start, numel)
+    pieces; None when nothing is skipped (the whole chunk counts)."""
+    if not skipped:
+        return None
+    out, at = [], 0
+    for start, n in sorted(skipped):
+        if start > at:
+            out.append((at, start))
+        at = max(at, start + n)
+    if at < numel:
+        out.append((at, numel))
+    return out
+
+
 def _full(unit: FlatParamUnit) -> torch.Tensor:
     """The full buffer of a stage 1-2 unit (always held there)."""
     assert unit.full is not None, f"unit {unit.index} has no full buffer"
@@ -97,10 +112,12 @@ class MasterWeights:
                 groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
             self.piece_tensors.append(views)
         model_rank = collectives.topology.model_rank
-        #: per unit, the (start, numel) of this rank's pieces whose parameter counts on another
-        #: model-parallel rank (:mod:`shardspeed.parallel.replicas`); left out of the global norm
-        self.norm_skips: List[List[Tuple[int, int]]] = [
-            [(pc.chunk_start, pc.numel) for pc in u.pieces if not counts_in_norm(u.params[pc.param_index], model_rank)]
+        #: per unit, the [start, end) ranges of this rank's chunk that count in the global norm, or None for the
+        #: whole chunk: pieces whose parameter another model-parallel rank counts are left out
+        #: (:mod:`shardspeed.parallel.replicas`)
+        self.norm_ranges: List[Optional[List[Tuple[int, int]]]] = [
+            _counted_ranges(u.layout.chunk_size, [(pc.chunk_start, pc.numel) for pc in u.pieces
+                                              if not counts_in_norm(u.params[pc.param_index], model_rank)])
             for u in self.units
         ]
         self.group_indices = sorted(groups)
@@ -138,15 +155,16 @@ class MasterWeights:
         pieces another model-parallel rank counts, summed in fp32 over the data group when sharded, then over
         the model-parallel group (pipe × model) when there is one. A sync point."""
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
-        for g, skips in zip(grads, self.norm_skips):
+        for g, ranges in zip(grads, self.norm_ranges):
             if g is None:
                 continue
             g = g if g.dtype == torch.float32 else g.float()
-            if skips:
-                g = g.clone()
-                for start, numel in skips:
-                    g[start : start + numel] = 0
-            sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
+            if ranges is None:
+                sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
+                continue
+            flat = g.reshape(-1)
+            for start, end in ranges:  # views, no copy of the chunk
+                sq += torch.dot(flat[start:end], flat[start:end]).to(sq.device)
         if self.sharded:
             self.comm.all_reduce(sq)
         self.comm.all_reduce_model_parallel(sq)
