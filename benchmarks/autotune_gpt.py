@@ -60,7 +60,9 @@ def main(argv=None) -> int:
 
         engine, *_ = shardspeed.initialize(model=model, config=config)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    gen = torch.Generator().manual_seed(args.seed + int(os.environ.get("RANK", 0)))
+    # one stream per data-parallel rank: the ranks of a tensor-parallel group must see the same batches
+    dp_rank = engine.mpu.get_data_parallel_rank() if args.backend == "shardspeed" else int(os.environ.get("RANK", 0))
+    gen = torch.Generator().manual_seed(args.seed + dp_rank)
     for _ in range(args.steps):
         for _ in range(gas):
             x = torch.randint(0, 256, (mbs, args.block_size + 1), generator=gen).to(engine.device)

@@ -4,7 +4,8 @@
     python benchmarks/bench_autotune.py --quick          # GPT (256 wide, 4 layers) at world 2, ~15-25 min here
 
 1. The grid: every candidate of the space (ZeRO stage 0-3 × micro-batch {1,2,4,8} with the global batch
-   kept × optimizer offload × parameter offload: 36 configs) runs as a trial, the same way the tuner
+   kept × optimizer offload × parameter offload × tensor-parallel degree 1 or 2: 36 configs at TP 1, and
+   at TP 2, where one data-parallel rank is left, stage 0 and the two offloads: 12; 48 in all) runs as a trial, the same way the tuner
    runs one (benchmarks/autotune_gpt.py, profile steps 3-5). This gives every config's measured step time
    and peak memory per rank.
 2. The budget: the artificial device-memory budget is the --budget-quantile (default 0.5) of the grid's
@@ -48,6 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--budget-quantile", type=float, default=0.5)
     p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--grid-repeats", type=int, default=2,
+                   help="run the whole grid this many times, each pass in its own shuffled order; a config's step "
+                        "time and peak are the medians over its passes (one pass is noise on a shared box)")
+    p.add_argument("--profile-steps", type=int, default=6,
+                   help="optimizer steps timed per trial (from step 3 on; the median is the trial's step time)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--reuse-grid", default=None, metavar="JSON",
                    help="take the grid's measurements from an earlier run's results JSON (same sizes) instead of "
@@ -56,10 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def user_config(workdir: Path, name: str, global_batch: int, **autotuning) -> Path:
-    cfg = {"train_batch_size": global_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+def user_config(workdir: Path, name: str, a: argparse.Namespace, **autotuning) -> Path:
+    cfg = {"train_batch_size": a.global_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "gradient_clipping": 1.0, "zero_optimization": {"stage": 0},
-           "autotuning": {"start_profile_step": 3, "end_profile_step": 5, "trial_timeout": 300,
+           "autotuning": {"start_profile_step": 3, "end_profile_step": 2 + a.profile_steps, "trial_timeout": 300,
                           "results_dir": str(workdir / name / "autotuning_results"),
                           "exps_dir": str(workdir / name / "autotuning_exps"), **autotuning}}
     path = workdir / f"{name}.json"
@@ -82,34 +88,47 @@ def script_args(cfg: Path, a: argparse.Namespace):
 
 
 SPACE = TuningSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), offload_optimizer=(False, True),
-                    offload_param=(False, True))
+                    offload_param=(False, True), tp_sizes=(1, 2))
 
 
 def run_grid(a, workdir: Path):
     """Every candidate once, in a shuffled order (so drift in the box's load spreads evenly)."""
     import random
 
-    cfg = user_config(workdir, "grid", a.global_batch, device_memory_budget=1e15, tuner_num_trials=10_000)
+    cfg = user_config(workdir, "grid", a, device_memory_budget=1e15, tuner_num_trials=10_000)
     tuner = Tuner(str(HERE / "autotune_gpt.py"), script_args(cfg, a), nproc=a.nproc, space=SPACE, progress=True,
                   config=AutotuningConfig(**json.loads(cfg.read_text())["autotuning"]))
     cands = enumerate_candidates(SPACE, a.global_batch, a.nproc)
     if a.reuse_grid:
         old = json.loads(Path(a.reuse_grid).read_text())
         by_name = {c.name: c for c in cands}
-        rows = {by_name[r["name"]]: {k: r[k] for k in ("name", "status", "step_time_s", "peak_memory", "wall_s")}
-                for r in old["grid"]}
+        rows = {by_name[r["name"]]: {k: r[k] for k in ("name", "status", "step_time_s", "peak_memory", "wall_s", "runs")
+                                     if k in r} for r in old["grid"]}
         return rows, float(old["grid_wall_s"]), tuner
-    random.Random(0).shuffle(cands)
     t0 = time.perf_counter()
-    rows = {}
-    for i, c in enumerate(cands):
-        res = tuner.run_candidate(c)
-        m = res.metrics or {}
-        rows[c] = {"name": c.name, "status": res.status, "step_time_s": m.get("step_time_s"),
-                   "peak_memory": m.get("peak_memory"), "wall_s": res.wall_s}
-        print(f"grid {i + 1}/{len(cands)} {c.name}: {res.status} step {m.get('step_time_s')} "
-              f"mem {m.get('peak_memory')}", flush=True)
+    runs: dict = {c: [] for c in cands}
+    for rep in range(a.grid_repeats):
+        order = list(cands)
+        random.Random(rep).shuffle(order)
+        for i, c in enumerate(order):
+            res = tuner.run_candidate(c, tag=f"_rep{rep}" if rep else "")
+            m = res.metrics or {}
+            runs[c].append({"status": res.status, "step_time_s": m.get("step_time_s"),
+                            "peak_memory": m.get("peak_memory"), "wall_s": res.wall_s})
+            print(f"grid pass {rep + 1}/{a.grid_repeats} {i + 1}/{len(order)} {c.name}: {res.status} "
+                  f"step {m.get('step_time_s')} mem {m.get('peak_memory')}", flush=True)
+    rows = {c: _summarize(c, rs) for c, rs in runs.items()}
     return rows, time.perf_counter() - t0, tuner
+
+
+def _summarize(c, rs: list) -> dict:
+    """One grid row from a config's passes: medians of the passes that ran (every pass kept under "runs")."""
+    import statistics
+
+    ok = [r for r in rs if r["status"] == "ok"]
+    med = (lambda k: statistics.median(r[k] for r in ok)) if ok else (lambda k: None)
+    return {"name": c.name, "status": "ok" if ok else rs[0]["status"], "step_time_s": med("step_time_s"),
+            "peak_memory": med("peak_memory"), "wall_s": sum(r["wall_s"] for r in rs), "runs": rs}
 
 
 def paired(tuner: Tuner, a, b, pairs: int):
@@ -140,7 +159,7 @@ def main(argv=None) -> int:
     print(f"budget {budget / 1e6:.1f} MB/rank: {len(fits)} of {len(grid)} configs fit; grid best {grid_best.name} "
           f"{fits[grid_best]['step_time_s']:.4f} s/step; grid wall {grid_wall:.0f} s", flush=True)
 
-    cfg = user_config(workdir, "tuned", a.global_batch, device_memory_budget=budget)
+    cfg = user_config(workdir, "tuned", a, device_memory_budget=budget)
     tuner = Tuner(str(HERE / "autotune_gpt.py"), script_args(cfg, a), nproc=a.nproc, space=SPACE, progress=True,
                   config=AutotuningConfig(**json.loads(cfg.read_text())["autotuning"]),
                   model_spec=model_spec(a, json.loads(cfg.read_text())), seq_len=a.block_size)
@@ -176,6 +195,8 @@ def main(argv=None) -> int:
         "spearman_all": rho, "spearman_fitting": rho_fit,
         "memory_error_mean": sum(mem_err) / len(mem_err), "memory_error_max": max(mem_err),
         "tuner_over_grid_step_time": repeat,
+        "probe": json.loads((Path(result.results_dir) / "probe_bandwidth" / "metrics.json").read_text()),
+        "probe_wall_s": tuner.probe_wall_s,
         "grid": [dict(r, predicted_step_s=result.model.predict(c).step_time_s,
                       predicted_memory=result.model.predict(c).device_bytes) for c, r in grid.items()],
     }

@@ -142,35 +142,63 @@ def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
-def _split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
-    args, mode, i = list(argv), None, 0
+def _take_options(argv: Sequence[str], names: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Our own ``--name value`` options (before the script, among torchrun's) taken out of the arguments."""
+    args, found, i = list(argv), {}, 0
+    arity = {**_torchrun_option_arity(), "--nproc": 1}
     while i < len(args) and args[i].startswith("-") and args[i] != "--":
         name, eq, value = args[i].partition("=")
-        if name == "--autotuning":
+        if name in names:
             if not eq:
                 if i + 1 >= len(args):
-                    raise UsageError("--autotuning needs a value: tune or run")
+                    raise UsageError(f"{name} needs a value")
                 value = args.pop(i + 1)
             args.pop(i)
-            if value not in ("tune", "run"):
-                raise UsageError(f"--autotuning must be tune or run, got {value!r}")
-            mode = value
+            found[name] = value
             continue
-        i += 1
+        i += 1 if eq or arity.get(name, 0) == 0 else 2
+    return found, args
+
+
+def _split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
+    found, args = _take_options(argv, ("--autotuning",))
+    mode = found.get("--autotuning")
+    if mode is not None and mode not in ("tune", "run"):
+        raise UsageError(f"--autotuning must be tune or run, got {mode!r}")
     return mode, args
 
 
 _AUTOTUNE_USAGE = """\
-usage: shardspeed autotune [--nproc N] script.py --deepspeed_config cfg.json [script args ...]
-       shardspeed run --autotuning tune|run [--nproc N] script.py --deepspeed_config cfg.json [...]
+usage: shardspeed autotune [--nproc N] [--model SRC [--seq-len T]] script.py --deepspeed_config cfg.json [args ...]
+       shardspeed run --autotuning tune|run [--nproc N] [--model SRC] script.py --deepspeed_config cfg.json [...]
 
-Search ZeRO stage, micro-batch x gradient accumulation (the global batch is kept), offload and bucket
-sizes for script.py on N local ranks, reading the config's "autotuning" block (DeepSpeed's keys plus
-device_memory_budget, host_memory_budget, wall_time_budget, trial_timeout). Writes
+Search ZeRO stage, micro-batch x gradient accumulation (the global batch is kept), offload, activation
+checkpointing and bucket sizes for script.py on N local ranks, reading the config's "autotuning" block
+(DeepSpeed's keys plus device_memory_budget, host_memory_budget, wall_time_budget, trial_timeout). Writes
 autotuning_results/ (one directory per trial, summary.txt, ds_config_optimal.json, cmd_optimal.txt).
 `run` then trains with the best config. See docs/autotuning.md.
+
+--model SRC describes the script's model without allocating it (as `shardspeed estimate` takes it: a GPT
+preset, pkg.module:function, or a Hugging Face config.json): its shape adds the tensor-parallel degree to
+the search and the activation formulas to the memory prior. --seq-len T: the tokens per sample the script
+trains on (default: the model's positions).
 """
+
+
+def _positive_int(value: str, flag: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{flag} must be a positive number, got {value!r}")
+    return int(value)
+
+
+def _describe_for_tuning(source: str, script_args: Sequence[str], seq_len: int | None):
+    """The model named by ``--model``, described on the meta device for the script's config."""
+    from .autotune.search import find_config_arg
+    from .estimate.model import describe, read_json_config
+
+    cfg = {k: v for k, v in read_json_config(find_config_arg(script_args)[1]).items() if k != "autotuning"}
+    return describe(source, cfg, seq_len=seq_len, trace=False)
 
 
 def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
@@ -182,6 +210,7 @@ def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
     from .errors import ShardspeedError
 
     try:
+        opts, argv = _take_options(argv, ("--model", "--seq-len"))
         torchrun_argv = build_torchrun_argv(argv)
         nproc, i = 1, 0
         while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):
@@ -195,7 +224,9 @@ def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
                 raise UsageError("autotuning runs on one node: drop --nnodes")
             i += 1 if eq or _torchrun_option_arity().get(name, 0) == 0 else 2
         script, script_args = torchrun_argv[i], torchrun_argv[i + 1:]
-        result = Tuner(script, list(script_args), nproc=nproc).run()
+        seq_len = _positive_int(opts["--seq-len"], "--seq-len") if "--seq-len" in opts else None
+        spec = _describe_for_tuning(opts["--model"], script_args, seq_len) if "--model" in opts else None
+        result = Tuner(script, list(script_args), nproc=nproc, model_spec=spec, seq_len=seq_len).run()
     except UsageError as e:
         print(f"shardspeed autotune: error: {e}", file=sys.stderr)
         return 2
@@ -235,6 +266,7 @@ def _cmd_run(argv: Sequence[str]) -> int:
         get_args_parser().print_help()
         return 0
     try:
+        opts, argv = _take_options(argv, ("--model", "--seq-len"))
         torchrun_argv = build_torchrun_argv(argv)
     except UsageError as e:
         print(f"shardspeed run: error: {e}", file=sys.stderr)

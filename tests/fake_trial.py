@@ -7,7 +7,8 @@ rank at 2 ranks, fp32 = the cost model's own structure (ZeRO model states, the b
 the optimizer step's temporaries) + 0.5 GB + 0.1 GB per sample (0.03 GB and 4/3 of the per-sample time with
 activation checkpointing), so the structural model can fit it exactly. ``--hang-stage S`` hangs at stage S after starting a child in a
 session of its own (as torchrun's workers are), which the tuner must kill too. ``--no-blocks`` fails every checkpointed trial as
-the engine does for a model with no block to checkpoint.
+the engine does for a model with no block to checkpoint; ``--no-tp`` every tensor-parallel one, as for a model
+with no TP plan.
 """
 import json
 import subprocess
@@ -48,6 +49,10 @@ def main(argv):
     if "--no-blocks" in args and (cfg.get("activation_checkpointing") or {}).get("enabled"):
         print("shardspeed.errors.ConfigError: no transformer block found to checkpoint; pass block_types",
               file=sys.stderr)
+        return 1
+    if "--no-tp" in args and (cfg.get("tensor_parallel") or {}).get("autotp_size", 1) > 1:
+        print("shardspeed.errors.ConfigError: no tensor-parallel plan matches this model; set "
+              "tensor_parallel.partition_config", file=sys.stderr)
         return 1
     t, mem = truth(cfg)
     at = cfg["autotuning"]

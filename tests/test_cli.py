@@ -175,8 +175,9 @@ def test_run_autotuning_run_trains_with_the_optimal_command(tmp_path, monkeypatc
     seen = {}
 
     class FakeTuner:
-        def __init__(self, script, args, nproc):
+        def __init__(self, script, args, nproc, model_spec=None, seq_len=None):
             seen["tuner"] = (script, args, nproc)
+            seen["spec"] = (model_spec, seq_len)
 
         def run(self):
             return types.SimpleNamespace(results_dir=str(tmp_path), best=object())
@@ -188,4 +189,14 @@ def test_run_autotuning_run_trains_with_the_optimal_command(tmp_path, monkeypatc
     assert cli.main(["run", "--autotuning", "run", "--nproc", "2", "train.py", "--deepspeed_config", "c.json"]) == 0
     assert seen["tuner"] == ("train.py", ["--deepspeed_config", "c.json"], 2)
     assert seen["run"] == ["--nproc", "2", "train.py", "--deepspeed_config", f"{tmp_path}/ds_config_optimal.json"]
-    assert "summary" in capsys.readouterr().out
+    assert "summary" in capsys.readouterr().out and seen["spec"] == (None, None)
+    # --model describes the script's model on the meta device (its shape adds TP to the search)
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"train_batch_size": 4}')
+    assert cli.main(["autotune", "--nproc", "2", "--model", "small", "--seq-len", "64", "train.py",
+                     "--deepspeed_config", str(cfg)]) == 0
+    spec, seq_len = seen["spec"]
+    assert spec.shape is not None and spec.shape.hidden == 256 and seq_len == 64
+    assert seen["tuner"] == ("train.py", ["--deepspeed_config", str(cfg)], 2)
+    assert cli.main(["autotune", "--seq-len", "x", "train.py", "--deepspeed_config", str(cfg)]) == 2
+    assert "--seq-len must be a positive number" in capsys.readouterr().err

@@ -36,19 +36,43 @@ def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
+def _fit_link(t_small: float, t_large: float, factor: float) -> Dict[str, float]:
+    """Latency and bus bandwidth from the times of a small and a large message (``factor``: bytes each rank
+    sends per byte of message, the ring's)."""
+    return {"latency": t_small, "bandwidth": factor * (_LARGE - _SMALL) * 4 / max(t_large - t_small, 1e-9)}
+
+
+def _collective(coll: Any, name: str, full: torch.Tensor, shard: torch.Tensor) -> Callable[[], Any]:
+    if name == "all_gather":
+        return lambda: coll.all_gather(full, shard)
+    if name == "reduce_scatter":
+        return lambda: coll.reduce_scatter(shard, full)
+    return lambda: coll.all_reduce(full)
+
+
 def probe_link(device: torch.device) -> Dict[str, float]:
-    """Latency (s) and ring bus bandwidth (bytes/s) from all-reduces of two sizes."""
+    """Latency (s) and ring bus bandwidth (bytes/s) of each collective the engine uses, from a small and a
+    large message: all-reduce (``latency_s``, ``bus_bandwidth``), all-gather and reduce-scatter into / out of
+    one flat tensor (``all_gather_*``, ``reduce_scatter_*``: the stage 1-3 calls, which on some backends
+    cost more than half an all-reduce)."""
+    from shardspeed.dist.comms import Collectives
+
     n = dist.get_world_size()
     if n == 1:
         return {"latency_s": 0.0, "bus_bandwidth": float("inf")}
-    small = torch.ones(_SMALL, device=device)
-    large = torch.ones(_LARGE, device=device)
-    t_small = _timed(lambda: dist.all_reduce(small), device, 20)
-    t_large = _timed(lambda: dist.all_reduce(large), device, 5)
-    ring = 2.0 * (n - 1) / n
-    moved = ring * (_LARGE - _SMALL) * 4
-    bw = moved / max(t_large - t_small, 1e-9)
-    return {"latency_s": t_small, "bus_bandwidth": bw}
+    coll = Collectives.over(None)
+    out: Dict[str, float] = {}
+    for name, factor in (("all_reduce", 2.0), ("all_gather", 1.0), ("reduce_scatter", 1.0)):
+        times = []
+        for elems, reps in ((_SMALL, 20), (_LARGE, 5)):
+            full = torch.ones(elems * n if name == "all_gather" else elems, device=device)
+            shard = torch.ones(elems if name == "all_gather" else elems // n, device=device)
+            times.append(_timed(_collective(coll, name, full, shard), device, reps))
+        link = _fit_link(times[0], times[1], factor * (n - 1) / n)
+        prefix = "" if name == "all_reduce" else name + "_"
+        out[prefix + "latency_s"] = link["latency"]
+        out[prefix + "bus_bandwidth"] = link["bandwidth"]
+    return out
 
 
 def probe_compute(device: torch.device, elems: int = 1 << 21) -> Dict[str, float]:

@@ -53,6 +53,15 @@ def checkpointed_share(spec: ModelSpec, micro_batch: int, seq_len: Optional[int]
     return on / off if off > 0 else None
 
 
+def activation_prior(spec: ModelSpec, seq_len: Optional[int] = None, elem_bytes: int = 2) -> Optional[float]:
+    """Activation bytes per sample by the estimator's formulas for the spec's transformer shape (the peak
+    at micro-batch 8, per sample; None without a shape)."""
+    if spec.shape is None:
+        return None
+    mb = 8
+    return formula_activations(spec.shape, mb, seq_len or spec.shape.max_seq, elem_bytes).peak_bytes / mb
+
+
 @dataclass(frozen=True)
 class EstimatorMemoryModel(StateMemoryModel):
     """:class:`StateMemoryModel` whose structure is :func:`estimate_peak` of the candidate's config."""
@@ -60,6 +69,7 @@ class EstimatorMemoryModel(StateMemoryModel):
     spec: Optional[ModelSpec] = None
     config: Dict[str, Any] = field(default_factory=dict)  # the user's config (its autotuning block dropped)
     ckpt_measured: bool = False  # whether a checkpointed run has been measured (else the share is a prior)
+    seq_len: Optional[int] = None  # tokens per sample (for the shares the formulas give)
     _cache: Dict[Candidate, Tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
 
     def measured(self, c: Candidate) -> bool:
@@ -70,13 +80,25 @@ class EstimatorMemoryModel(StateMemoryModel):
     @classmethod
     def create(cls, info: ModelInfo, user_config: Dict[str, Any], spec: Optional[ModelSpec] = None,
                micro_batch: int = 1, seq_len: Optional[int] = None) -> EstimatorMemoryModel:
-        """The prior for ``user_config`` at ``info.dp_size`` ranks; ``spec`` defaults to :func:`spec_from_facts`
+        """The prior for ``user_config`` at ``info.world_size`` ranks; ``spec`` defaults to :func:`spec_from_facts`
         of ``info``."""
         cfg = {k: copy.deepcopy(v) for k, v in user_config.items() if k != "autotuning"}
         spec = spec or spec_from_facts(info.num_params, info.largest_unit, info.num_units)
         share = checkpointed_share(spec, micro_batch, seq_len, info.bytes_per_param)
-        model = cls(info, spec=replace(spec, activations=None), config=cfg)
+        prior = activation_prior(spec, seq_len, info.bytes_per_param)
+        model = cls(info, spec=replace(spec, activations=None), config=cfg, act_prior=prior,
+                    act_per_sample=prior or 0.0, seq_len=seq_len)
         return replace(model, ckpt_share=share) if share is not None else model
+
+    def tp_share(self, tp: int) -> float:
+        """Share of a sample's activations a rank keeps at tensor-parallel degree ``tp``, by the estimator's
+        formulas for the spec's transformer shape (1 without one)."""
+        shape = self.spec.shape if self.spec is not None else None
+        if tp == 1 or shape is None:
+            return 1.0
+        s, b = self.seq_len or shape.max_seq, self.info.bytes_per_param
+        split, whole = (formula_activations(shape, 8, s, b, tp=t).peak_bytes for t in (tp, 1))
+        return split / whole if whole > 0 else 1.0
 
     def structural(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of the estimator's peak without activations; on a CPU device the sum of the
@@ -84,9 +106,9 @@ class EstimatorMemoryModel(StateMemoryModel):
         construction on, so the start-up phase is not part of it)."""
         if c not in self._cache:
             assert self.spec is not None
-            cfg = apply_candidate(self.config, c, self.info.dp_size)
+            cfg = apply_candidate(self.config, c, self.info.world_size)
             zero = ActivationProfile(0.0, 0.0, c.micro_batch, 1, c.activation_checkpointing, "fitted")
-            est = estimate_peak(self.spec.with_activations(zero), cfg, world_size=self.info.dp_size,
+            est = estimate_peak(self.spec.with_activations(zero), cfg, world_size=self.info.world_size, tp=c.tp,
                                 micro_batch=c.micro_batch, checkpointing=c.activation_checkpointing)
             dev = sum(est.terms.values()) if self.info.device_is_host else est.device
             self._cache[c] = (dev, est.host)
@@ -103,7 +125,7 @@ class EstimatorMemoryModel(StateMemoryModel):
 
     def _fit(self, ok: Sequence[Measurement]) -> EstimatorMemoryModel:
         plain = [r for r in ok if not r.candidate.activation_checkpointing]
-        sizes: Dict[Tuple[int, bool, bool], Set[int]] = {_variant(r.candidate): set() for r in plain}
+        sizes: Dict[Tuple[int, bool, bool, int], Set[int]] = {_variant(r.candidate): set() for r in plain}
         for r in plain:
             sizes[_variant(r.candidate)].add(r.candidate.micro_batch)
         ck = [r for r in ok if r.candidate.activation_checkpointing and _variant(r.candidate) in sizes]
@@ -115,7 +137,8 @@ class EstimatorMemoryModel(StateMemoryModel):
         rows = [[1.0 if _variant(r.candidate) == k else 0.0 for k in keys]
                 + [0.0 if r.candidate.activation_checkpointing else float(r.candidate.micro_batch),
                    float(r.candidate.micro_batch) if r.candidate.activation_checkpointing else 0.0] for r in ok]
-        *bases, act, act_ck = nnls(rows, [r.peak_memory - self.structural(r.candidate)[0] for r in ok])
+        ys = [r.peak_memory - self.structural(r.candidate)[0] for r in ok]
+        *bases, act, act_ck = nnls(*self.with_prior(rows, ys, len(keys), ok))
         share = min(act_ck / act, 1.0) if act > 0 else self.ckpt_share
         return replace(self, base=sum(bases) / len(bases), act_per_sample=act, ckpt_share=share,
                        variant_base=tuple(zip(keys, bases)))

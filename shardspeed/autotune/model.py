@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -54,24 +54,50 @@ class ModelInfo:
     largest_unit: int  # elements
     num_units: int
     dtype: str  # "fp32", "bf16", "fp16"
-    dp_size: int
+    world_size: int  # ranks; a candidate's data-parallel size is world_size / its tensor-parallel degree
     device_is_host: bool  # CPU training: offloaded states share the one memory
     default_bucket: int = 500_000_000  # the user's reduce_bucket_size (elements)
+    #: tensor parallelism (Megatron's layout, no sequence parallelism): each of ``tp_layers`` transformer
+    #: layers all-reduces its activations (``tp_bytes_per_sample``: tokens × hidden × dtype bytes) twice in
+    #: forward and twice in backward; 0 when the model's shape is unknown (then no TP candidate is searched)
+    tp_layers: int = 0
+    tp_bytes_per_sample: float = 0.0
+
+    DTYPE_BYTES: ClassVar[Dict[str, int]] = _DTYPE_BYTES
 
     @property
     def bytes_per_param(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    def params_per_rank(self, c: Candidate) -> float:
+        """Parameters a model-parallel rank holds before ZeRO partitions them (the TP slice)."""
+        return self.num_params / c.tp
+
+    def dp(self, c: Candidate) -> int:
+        return c.dp_size(self.world_size)
 
 
 @dataclass(frozen=True)
 class LinkProfile:
     """The bandwidth probe's figures (see :mod:`shardspeed.autotune.bandwidth`)."""
 
-    latency_s: float  # per collective call
+    latency_s: float  # per all-reduce call
     bus_bandwidth: float  # bytes/s, ring-normalised (all-reduce moves 2·(N-1)/N·bytes at this rate)
     adam_s_per_elem: float  # optimizer step on the training device, seconds per element
     host_adam_s_per_elem: float  # the offloaded (CPU) step, seconds per element
     copy_bandwidth: float  # device↔host copies, bytes/s
+    # the flat all-gather and reduce-scatter (moving (N-1)/N·bytes); None: as the all-reduce
+    all_gather_latency_s: Optional[float] = None
+    all_gather_bus_bandwidth: Optional[float] = None
+    reduce_scatter_latency_s: Optional[float] = None
+    reduce_scatter_bus_bandwidth: Optional[float] = None
+
+    def cost(self, op: str) -> Tuple[float, float]:
+        """(latency s, bus bandwidth bytes/s) of ``op``: all_reduce, all_gather or reduce_scatter."""
+        lat, bw = {"all_gather": (self.all_gather_latency_s, self.all_gather_bus_bandwidth),
+                   "reduce_scatter": (self.reduce_scatter_latency_s, self.reduce_scatter_bus_bandwidth)
+                   }.get(op, (None, None))
+        return (self.latency_s if lat is None else lat), (self.bus_bandwidth if bw is None else bw)
 
 
 @dataclass(frozen=True)
@@ -123,17 +149,23 @@ class StateMemoryModel:
     Each variant (stage, optimizer offload, parameter offload) that has been measured gets a base of its
     own (the engine's buffers and the allocator differ by variant in ways the structure above does not
     capture); a variant never measured uses the mean base of its stage's measured variants, else of all,
-    and :meth:`measured` tells the search to be more careful with it."""
+    and :meth:`measured` tells the search to be more careful with it.
+
+    ``act_prior`` (bytes per sample, e.g. the estimator's activation formulas) enters the activations' fit
+    as one more observation, worth one run at the largest measured micro-batch: two calibration peaks a
+    few MB apart (a box's allocator noise) no longer decide alone, and a variant whose peak barely moves
+    with the micro-batch (stage 3 here) does not set every other variant's activations to zero."""
 
     info: ModelInfo
     base: float = 0.0
     act_per_sample: float = 0.0
-    variant_base: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
+    variant_base: Tuple[Tuple[Tuple[int, bool, bool, int], float], ...] = ()
     ckpt_share: float = CHECKPOINTED_ACTIVATION_SHARE  # activations kept with checkpointing, a share
+    act_prior: Optional[float] = None
 
     def states(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of parameters, gradients and optimizer states."""
-        m = estimate_model_state_memory(self.info.num_params, self.info.dp_size, c.stage, self.info.dtype,
+        m = estimate_model_state_memory(self.info.params_per_rank(c), self.info.dp(c), c.stage, self.info.dtype,
                                         c.offload_optimizer, c.offload_param)
         return (m.device + m.host if self.info.device_is_host else m.device), m.host
 
@@ -141,12 +173,13 @@ class StateMemoryModel:
         """Bytes of transient buffers: the gradient bucket or the gathered stage-3 units, and the fp32
         temporaries of the optimizer step over this rank's shard (on the device unless offloaded)."""
         i, b = self.info, self.info.bytes_per_param
+        psi = i.params_per_rank(c)
         if c.stage == 3:
-            buf = 3.0 * i.largest_unit * b  # the unit in use, the prefetched one, one unit's gradients
+            buf = 3.0 * i.largest_unit / c.tp * b  # the unit in use, the prefetched one, one unit's gradients
         else:
             bucket = c.reduce_bucket_size or i.default_bucket
-            buf = min(bucket, i.num_params) * b
-        shard = i.num_params / (i.dp_size if c.stage >= 1 else 1)
+            buf = min(bucket, psi) * b
+        shard = psi / (i.dp(c) if c.stage >= 1 else 1)
         step = 4.0 * shard if (not c.offload_optimizer or i.device_is_host) else 0.0
         return buf + step
 
@@ -157,8 +190,14 @@ class StateMemoryModel:
         return dev + self.working(c), host
 
     def variable(self, c: Candidate) -> float:
-        """Per-sample activation factor of the candidate (checkpointing keeps ``ckpt_share``)."""
-        return c.micro_batch * (self.ckpt_share if c.activation_checkpointing else 1.0)
+        """Per-sample activation factor of the candidate (checkpointing keeps ``ckpt_share``, tensor
+        parallelism :meth:`tp_share`)."""
+        return c.micro_batch * (self.ckpt_share if c.activation_checkpointing else 1.0) * self.tp_share(c.tp)
+
+    def tp_share(self, tp: int) -> float:
+        """Share of a sample's activations a rank keeps at tensor-parallel degree ``tp`` (here 1: the layer
+        inputs stay replicated and the split share is not known without the model's shape)."""
+        return 1.0
 
     def measured(self, c: Candidate) -> bool:
         """Whether the candidate's variant has a measured base."""
@@ -168,7 +207,7 @@ class StateMemoryModel:
         bases = dict(self.variant_base)
         if _variant(c) in bases:
             return bases[_variant(c)]
-        same_stage = [b for (s, _, _), b in bases.items() if s == c.stage]
+        same_stage = [b for (s, _, _, _), b in bases.items() if s == c.stage]
         return sum(same_stage) / len(same_stage) if same_stage else self.base
 
     def predict(self, c: Candidate) -> Tuple[float, float]:
@@ -183,15 +222,26 @@ class StateMemoryModel:
         keys = sorted({_variant(r.candidate) for r in ok})
         ys = [r.peak_memory - self.structural(r.candidate)[0] for r in ok]
         if len({self.variable(r.candidate) for r in ok}) < 2:  # activations cannot be told from the bases
-            act = self.act_per_sample
+            act = self.act_per_sample if self.act_prior is None else self.act_prior
             bases = [sum(y - act * self.variable(r.candidate) for r, y in zip(ok, ys) if _variant(r.candidate) == k)
                      / sum(1 for r in ok if _variant(r.candidate) == k) for k in keys]
         else:
             rows = [[1.0 if _variant(r.candidate) == k else 0.0 for k in keys] + [self.variable(r.candidate)]
                     for r in ok]
-            *bases, act = nnls(rows, ys)
+            *bases, act = nnls(*self.with_prior(rows, ys, len(keys), ok))
         return replace(self, base=sum(bases) / len(bases), act_per_sample=act,
                        variant_base=tuple(zip(keys, bases)))
+
+    def with_prior(self, rows: List[List[float]], ys: List[float], act_col: int, runs: Sequence[Measurement]
+                   ) -> Tuple[List[List[float]], List[float]]:
+        """The least squares' rows and targets, plus ``act_prior`` as one observation of column ``act_col``
+        weighted as a run at the largest measured micro-batch."""
+        if self.act_prior is None:
+            return rows, ys
+        w = float(max(r.candidate.micro_batch for r in runs))
+        prior = [0.0] * len(rows[0])
+        prior[act_col] = w
+        return [*rows, prior], [*ys, w * self.act_prior]
 
 
 @dataclass(frozen=True)
@@ -202,44 +252,67 @@ class StepTimeModel:
     link: LinkProfile
     per_micro_step: float = 0.0  # α
     per_sample: float = 0.0  # β
-    overhead_scale: float = 1.0  # γ: how much of the modelled overheads the measurements bear out
+    #: γ: the share of the modelled data-parallel communication the measurements bear out (stage 3's
+    #: prefetched gathers and overlap_comm's reductions run under compute; the probe's message size is not the
+    #: engine's). The optimizer step, offload copies and TP all-reduces sit on the critical path at face value.
+    overhead_scale: float = 1.0
     #: measured correction per (stage, offload optimizer, offload param): the mean residual of its runs
-    variant_offset: Tuple[Tuple[Tuple[int, bool, bool], float], ...] = ()
+    variant_offset: Tuple[Tuple[Tuple[int, bool, bool, int], float], ...] = ()
 
-    def _collective(self, nbytes: float, calls: float, factor: float) -> float:
-        n = self.info.dp_size
+    def _collective(self, op: str, nbytes: float, calls: float, n: int) -> float:
+        """Seconds of ``calls`` calls of ``op`` over ``n`` ranks moving ``nbytes`` of message in all (ring: an
+        all-reduce sends 2·(n-1)/n of it per rank, a gather or scatter (n-1)/n)."""
         if n <= 1:
             return 0.0
-        return calls * self.link.latency_s + factor * (n - 1) / n * nbytes / self.link.bus_bandwidth
+        latency, bandwidth = self.link.cost(op)
+        factor = 2.0 if op == "all_reduce" else 1.0
+        return calls * latency + factor * (n - 1) / n * nbytes / bandwidth
 
     def overheads(self, c: Candidate) -> Dict[str, float]:
-        """Modelled seconds per step that the fitted compute does not cover, by cause."""
+        """Modelled seconds per step that the fitted compute does not cover, by cause. Communication as the
+        engine issues it over the data-parallel group: stage 0 all-reduces the accumulated gradients once
+        per step, stage 1 reduce-scatters them once and all-gathers the updated parameters, stage 2
+        reduce-scatters every micro-step (its gradients are partitioned) and gathers once, stage 3 gathers
+        every unit twice (forward, backward) and reduce-scatters its gradients every micro-step. Tensor
+        parallelism all-reduces each layer's activations four times per micro-step over the model group."""
         i = self.info
-        pbytes = i.num_params * i.bytes_per_param
+        psi, dp, g = i.params_per_rank(c), i.dp(c), c.grad_accum
+        pbytes = psi * i.bytes_per_param
         if c.stage == 3:
             units = max(i.num_units, 1)
-            comm = c.grad_accum * self._collective(2 * pbytes, 2 * units, 1.0) + self._collective(pbytes, units, 1.0)
+            comm = g * (self._collective("all_gather", 2 * pbytes, 2 * units, dp)
+                        + self._collective("reduce_scatter", pbytes, units, dp))
         else:
-            buckets = math.ceil(i.num_params / (c.reduce_bucket_size or i.default_bucket))
-            comm = self._collective(pbytes, buckets * (1 if c.stage == 0 else 2), 2.0)
-        shard = i.num_params / (i.dp_size if c.stage >= 1 else 1)
+            buckets = math.ceil(psi / (c.reduce_bucket_size or i.default_bucket))
+            if c.stage == 0:
+                comm = self._collective("all_reduce", pbytes, buckets, dp)
+            else:
+                scatters = g if c.stage == 2 else 1
+                comm = (scatters * self._collective("reduce_scatter", pbytes, buckets, dp)
+                        + self._collective("all_gather", pbytes, buckets, dp))
         out = {"comm": comm}
+        if c.tp > 1:
+            out["tp_comm"] = g * self._collective("all_reduce", 4 * i.tp_layers * c.micro_batch * i.tp_bytes_per_sample,
+                                                  4 * i.tp_layers, c.tp)
+        shard = psi / (dp if c.stage >= 1 else 1)
         if c.offload_optimizer:
             out["optimizer"] = shard * self.link.host_adam_s_per_elem
             out["offload_copies"] = 2 * shard * 4 / self.link.copy_bandwidth
         else:
             out["optimizer"] = shard * self.link.adam_s_per_elem
         if c.offload_param:  # each gather first fetches the shard from the host (forward and backward)
-            out["param_fetch"] = 2 * c.grad_accum * (i.num_params / i.dp_size) * i.bytes_per_param / self.link.copy_bandwidth
+            out["param_fetch"] = 2 * g * (psi / dp) * i.bytes_per_param / self.link.copy_bandwidth
         return out
 
     def features(self, c: Candidate) -> Tuple[float, float]:
+        """(micro-steps, samples' compute per rank): tensor parallelism splits each sample's matmuls over
+        its ranks; checkpointing recomputes the forward."""
         r = RECOMPUTE_FACTOR if c.activation_checkpointing else 1.0
-        return float(c.grad_accum), float(c.grad_accum * c.micro_batch) * r
+        return float(c.grad_accum), float(c.grad_accum * c.micro_batch) * r / c.tp
 
     def predict(self, c: Candidate) -> Tuple[float, Dict[str, float]]:
         g, gm = self.features(c)
-        parts = {k: v * self.overhead_scale for k, v in self.overheads(c).items()}
+        parts = {k: v * self.overhead_scale if k == "comm" else v for k, v in self.overheads(c).items()}
         parts["compute"] = self.per_micro_step * g + self.per_sample * gm
         offset = dict(self.variant_offset).get(_variant(c))
         if offset is not None:
@@ -249,27 +322,31 @@ class StepTimeModel:
     def with_offsets(self, runs: Sequence[Measurement]) -> StepTimeModel:
         """Each measured variant (stage, offloads) gets the mean residual of its runs as a correction."""
         base = replace(self, variant_offset=())
-        res: Dict[Tuple[int, bool, bool], List[float]] = {}
+        res: Dict[Tuple[int, bool, bool, int], List[float]] = {}
         for r in runs:
             res.setdefault(_variant(r.candidate), []).append(r.step_time_s - base.predict(r.candidate)[0])
         return replace(self, variant_offset=tuple((k, sum(v) / len(v)) for k, v in sorted(res.items())))
 
     def fit(self, runs: Sequence[Measurement]) -> StepTimeModel:
-        """Fit α and β (and, from 4 runs of differing overheads on, γ) by non-negative least squares.
-        With fewer runs γ stays 1, unless the modelled overheads alone would exceed 80% of a measured step
-        (a probe on a noisy link): then γ shrinks so that they do not."""
+        """Fit α and β (and, from 4 runs of differing communication on, γ) by non-negative least squares on
+        the step times less the critical-path overheads. With fewer runs γ stays 1, unless the modelled
+        communication alone would exceed 80% of what is left of a measured step (a probe on a noisy link):
+        then γ shrinks so that it does not."""
         ok = [r for r in runs if math.isfinite(r.step_time_s) and r.step_time_s > 0]
         if not ok:
             return self
         feats = [self.features(r.candidate) for r in ok]
-        over = [sum(self.overheads(r.candidate).values()) for r in ok]
-        ts = [r.step_time_s for r in ok]
-        if len(ok) >= 4 and max(over) - min(over) > 0.05 * max(ts):
-            a, b, gamma = nnls([(g, gm, o) for (g, gm), o in zip(feats, over)], ts)
+        comm, ts = [], []
+        for r in ok:
+            parts = self.overheads(r.candidate)
+            comm.append(parts.pop("comm"))
+            ts.append(r.step_time_s - sum(parts.values()))
+        if len(ok) >= 4 and max(comm) - min(comm) > 0.05 * max(ts):
+            a, b, gamma = nnls([(g, gm, o) for (g, gm), o in zip(feats, comm)], ts)
             if a + b > 0:
                 return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
-        gamma = min([1.0] + [0.8 * t / o for t, o in zip(ts, over) if o > 0])
-        a, b = nnls(feats, [t - gamma * o for t, o in zip(ts, over)])
+        gamma = min([1.0] + [0.8 * t / o for t, o in zip(ts, comm) if o > 0 and t > 0])
+        a, b = nnls(feats, [t - gamma * o for t, o in zip(ts, comm)])
         return replace(self, per_micro_step=a, per_sample=b, overhead_scale=gamma).with_offsets(ok)
 
 
@@ -296,8 +373,8 @@ class CostModel:
         return Prediction(dev, host, t, parts)
 
 
-def _variant(c: Candidate) -> Tuple[int, bool, bool]:
-    return c.stage, c.offload_optimizer, c.offload_param
+def _variant(c: Candidate) -> Tuple[int, bool, bool, int]:
+    return c.stage, c.offload_optimizer, c.offload_param, c.tp
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

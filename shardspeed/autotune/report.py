@@ -51,7 +51,7 @@ def _fmt(x: Optional[float], scale: float = 1.0, digits: int = 3) -> str:
 
 def summary_table(records: Sequence[CandidateRecord], header: str = "") -> str:
     """One line per candidate: its settings, predicted memory and time, measured where run, and status."""
-    cols = ("exp", "stage", "mbs", "gas", "off_opt", "off_param", "bucket", "ckpt", "pred_dev_GB",
+    cols = ("exp", "stage", "mbs", "gas", "off_opt", "off_param", "bucket", "ckpt", "tp", "pred_dev_GB",
             "pred_host_GB", "pred_step_s", "meas_step_s", "meas_mem_GB", "status")
     rows = []
     order = sorted(records, key=lambda r: (r.time_s is None, r.time_s or 0.0,
@@ -60,7 +60,7 @@ def summary_table(records: Sequence[CandidateRecord], header: str = "") -> str:
         c, p = r.candidate, r.prediction
         rows.append((c.name, str(c.stage), str(c.micro_batch), str(c.grad_accum), "y" if c.offload_optimizer else "-",
                      "y" if c.offload_param else "-", str(c.reduce_bucket_size or "user"),
-                     "y" if c.activation_checkpointing else "-",
+                     "y" if c.activation_checkpointing else "-", str(c.tp),
                      _fmt(p.device_bytes if p else None, _GB), _fmt(p.host_bytes if p else None, _GB),
                      _fmt(p.step_time_s if p else None), _fmt(r.time_s), _fmt(r.measured_memory, _GB), r.status))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(cols)]

@@ -133,6 +133,7 @@ class Tuner:
     _trials: int = 0
     _t0: float = 0.0
     stop_reason: str = ""
+    probe_wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._cfg_index, cfg_path = find_config_arg(self.script_args)
@@ -153,7 +154,8 @@ class Tuner:
                               f"{at.min_train_batch_size}")
         if self.space is None:
             self.space = default_space(self.global_batch, self.nproc, fast=at.fast, mbs_range=(
-                at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu))
+                at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu),
+                tp_sizes=self._tp_sizes())
         self.candidates = enumerate_candidates(self.space, self.global_batch, self.nproc)
         if not self.candidates:
             raise ConfigError("the tuning space has no candidate for this global batch and world size")
@@ -162,6 +164,17 @@ class Tuner:
         self.results_dir = os.path.abspath(at.results_dir)
         self.exps_dir = os.path.abspath(at.exps_dir)
         self._records = {c: CandidateRecord(c) for c in self.candidates}
+
+    def _tp_sizes(self) -> Tuple[int, ...]:
+        """Tensor-parallel degrees to search: every divisor of the world that divides the model's heads,
+        vocabulary and FFN width when ``model_spec`` gives its shape (the cost model needs it for the
+        all-reduces); otherwise the user's ``tensor_parallel.autotp_size`` alone (1 when unset)."""
+        shape = self.model_spec.shape if self.model_spec is not None else None
+        if shape is None:
+            user = (self.user_config.get("tensor_parallel") or {}).get("autotp_size") or 1
+            return (int(user),)
+        return tuple(t for t in range(1, self.nproc + 1) if self.nproc % t == 0 and shape.n_head % t == 0
+                     and shape.vocab % t == 0 and shape.ffn_hidden % t == 0)
 
     # ---- running -------------------------------------------------------------------------------------
     def _trial_config(self, cand: Candidate, exp_dir: str) -> Dict[str, Any]:
@@ -215,14 +228,17 @@ class Tuner:
             rec.status = f"{result.status}: {result.error}"[:120]
             logger.warning("trial %s %s: %s", cand.name, result.status, result.error)
             if cand.activation_checkpointing and _checkpointing_refused(result):
-                self._skip_checkpointed(cand)
+                self._skip(lambda c: c.activation_checkpointing, f"activation checkpointing failed in {cand.name}")
+            elif cand.tp > 1 and result.status == "failed":
+                self._skip(lambda c: c.tp == cand.tp, f"tensor parallelism {cand.tp} failed in {cand.name}")
 
-    def _skip_checkpointed(self, failed: Candidate) -> None:
-        """The model cannot be checkpointed (no blocks found): no other checkpointed candidate will run."""
+    def _skip(self, which: Callable[[Candidate], bool], why: str) -> None:
+        """A dimension the script or model cannot take (no blocks to checkpoint, no TP plan, inputs that
+        differ within a model group): no other candidate it selects will run."""
         for c, rec in self._records.items():
-            if c.activation_checkpointing and rec.status == "not run":
-                rec.status = f"skipped: activation checkpointing failed in {failed.name}"
-        logger.warning("activation checkpointing failed in %s: the checkpointed candidates are skipped", failed.name)
+            if which(c) and rec.status == "not run":
+                rec.status = f"skipped: {why}"
+        logger.warning("%s: the candidates that need it are skipped", why)
 
     def probe(self) -> LinkProfile:
         """The bandwidth probe (a trial of its own); defaults when it fails."""
@@ -232,26 +248,28 @@ class Tuner:
         out = os.path.join(exp_dir, "metrics.json")
         cmd = self.launch(self.nproc, "-m", ["shardspeed.autotune.bandwidth", out])
         result = run_command(cmd, exp_dir, min(self.config.trial_timeout, 120.0), out)
+        self.probe_wall_s = result.wall_s
         m = result.metrics or {}
         if not result.ok:
             logger.warning("bandwidth probe %s (%s): using defaults", result.status, result.error)
-        return LinkProfile(latency_s=float(m.get("latency_s", 1e-4)), bus_bandwidth=float(m.get("bus_bandwidth", 1e9)),
-                           adam_s_per_elem=float(m.get("adam_s_per_elem", 5e-9)),
-                           host_adam_s_per_elem=float(m.get("host_adam_s_per_elem", 5e-9)),
-                           copy_bandwidth=float(m.get("copy_bandwidth", 5e9)))
+        defaults = {"latency_s": 1e-4, "bus_bandwidth": 1e9, "adam_s_per_elem": 5e-9, "host_adam_s_per_elem": 5e-9,
+                    "copy_bandwidth": 5e9}
+        known = {**defaults, **{k: v for k, v in m.items() if k in LinkProfile.__dataclass_fields__}}
+        return LinkProfile(**{k: float(v) for k, v in known.items()})
 
     def calibrate(self) -> CostModel:
         """Probe, then run the calibration candidates; the fitted cost model."""
         link = self.probe()
         assert self.space is not None
-        sizes = sorted({c.micro_batch for c in self.candidates})
-        per_rank = self.global_batch // self.nproc
+        tp = min(c.tp for c in self.candidates)
+        sizes = sorted({c.micro_batch for c in self.candidates if c.tp == tp})
+        per_rank = self.global_batch // (self.nproc // tp)
         infos: Dict[str, Any] = {}
         # the smallest micro-batch (most likely to fit), then the largest (the widest lever for the
         # per-sample terms; often a good config itself), falling back to the second smallest if it fails
         plan = [sizes[0]] + ([sizes[-1]] if len(sizes) > 1 else []) + ([sizes[1]] if len(sizes) > 2 else [])
         for i, m in enumerate(plan):
-            cand = Candidate(3, m, per_rank // m)
+            cand = Candidate(3, m, per_rank // m, tp=tp)
             res = self.run_candidate(cand)
             if not res.ok and not infos:
                 raise AutotuneError(f"calibration run {cand.name} {res.status}: {res.error} (see "
@@ -260,11 +278,17 @@ class Tuner:
                 infos = res.metrics or {}
                 if i >= 1:
                     break
-        info = ModelInfo(num_params=int(infos["num_params"]), largest_unit=int(infos["largest_unit"]),
-                         num_units=int(infos["num_units"]), dtype=_dtype(self.user_config), dp_size=self.nproc,
+        dtype = _dtype(self.user_config)
+        shape = self.model_spec.shape if self.model_spec is not None else None
+        # a calibration at TP > 1 (the user's degree alone) measured one slice: the model is about tp of them
+        info = ModelInfo(num_params=int(infos["num_params"]) * tp, largest_unit=int(infos["largest_unit"]) * tp,
+                         num_units=int(infos["num_units"]), dtype=dtype, world_size=self.nproc,
                          device_is_host=not torch.cuda.is_available(),
                          default_bucket=int((self.user_config.get("zero_optimization") or {})
-                                            .get("reduce_bucket_size", 500_000_000)))
+                                            .get("reduce_bucket_size", 500_000_000)),
+                         tp_layers=shape.n_layer if shape else 0,
+                         tp_bytes_per_sample=float((self.seq_len or shape.max_seq) * shape.hidden
+                                                   * ModelInfo.DTYPE_BYTES[dtype]) if shape else 0.0)
         memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],
                                              seq_len=self.seq_len)
         return CostModel.create(info, link, memory).fit(self._runs)
@@ -284,11 +308,14 @@ class Tuner:
         return min(max(sum(errs) / len(errs) if errs else 0.3, 0.05), 0.3)
 
     def _order(self, model: CostModel, pending: List[Candidate]) -> List[Candidate]:
-        """model_based: predicted to fit (no margin) first, then the uncertain band; fastest first in each."""
+        """model_based: fastest prediction first, the uncertain band (predicted over the budget by less than
+        the margin of a variant never measured) included: one run settles whether it fits and calibrates its
+        variant, and waiting for every config predicted to fit would never reach it (the search stops first).
+        Ties go to fewer micro-steps: when the fit finds no per-micro-step cost (its runs cannot tell it from
+        the communication), a larger micro-batch is never slower on the same variant."""
         assert self.config is not None
         if self.config.tuner_type == "model_based":
-            return sorted(pending, key=lambda c: (not fits(model.predict(c), self.device_budget, self.host_budget),
-                                                  model.predict(c).step_time_s))
+            return sorted(pending, key=lambda c: (model.predict(c).step_time_s, c.grad_accum))
         if self.config.tuner_type == "random":
             return random.Random(0).sample(pending, len(pending))
         return pending

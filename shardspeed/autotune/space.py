@@ -2,7 +2,8 @@
 
 A :class:`Candidate` is one point: ZeRO stage, micro-batch × gradient accumulation (their product times
 the data-parallel size is the user's global batch, always), optimizer/parameter offload to CPU, the
-gradient bucket size and activation checkpointing. :func:`enumerate_candidates` lists every valid point
+gradient bucket size, activation checkpointing and the tensor-parallel degree (``tensor_parallel.autotp_size``:
+the data-parallel size is the world over it). :func:`enumerate_candidates` lists every valid point
 of a :class:`TuningSpace`; :func:`apply_candidate` writes one into a copy of the user's config, changing
 only the keys it tunes.
 
@@ -37,6 +38,11 @@ class Candidate:
     offload_param: bool = False
     reduce_bucket_size: Optional[int] = None  # elements; None: the user's
     activation_checkpointing: bool = False
+    tp: int = 1  # tensor-parallel degree (tensor_parallel.autotp_size)
+
+    def dp_size(self, world: int) -> int:
+        """The data-parallel size at ``world`` ranks (the world over the tensor-parallel degree)."""
+        return world // self.tp
 
     @property
     def name(self) -> str:
@@ -50,6 +56,8 @@ class Candidate:
             parts.append(f"rb{self.reduce_bucket_size}")
         if self.activation_checkpointing:
             parts.append("ckpt")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
         return "_".join(parts)
 
 
@@ -63,6 +71,7 @@ class TuningSpace:
     offload_param: Tuple[bool, ...] = (False, True)
     reduce_bucket_sizes: Tuple[Optional[int], ...] = (None,)
     activation_checkpointing: Tuple[bool, ...] = (False,)
+    tp_sizes: Tuple[int, ...] = (1,)
 
 
 def micro_batch_sizes(per_rank_batch: int, lo: int = 1, hi: int = 1024) -> Tuple[int, ...]:
@@ -70,37 +79,56 @@ def micro_batch_sizes(per_rank_batch: int, lo: int = 1, hi: int = 1024) -> Tuple
     return tuple(m for m in range(max(lo, 1), min(hi, per_rank_batch) + 1) if per_rank_batch % m == 0)
 
 
-def default_space(global_batch: int, dp_size: int, *, fast: bool = True, mbs_range: Tuple[int, int] = (1, 1024),
-                  bucket_sizes: Sequence[int] = (5 * _MiB, 50 * _MiB)) -> TuningSpace:
-    """Every stage, every micro-batch dividing the per-rank batch, offload on/off; bucket sizes only when
-    not ``fast`` (DeepSpeed's meaning of the flag); checkpointing when the engine can switch it."""
-    if global_batch % dp_size:
-        raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size {dp_size}")
-    mbs = micro_batch_sizes(global_batch // dp_size, *mbs_range)
+def default_space(global_batch: int, world: int, *, fast: bool = True, mbs_range: Tuple[int, int] = (1, 1024),
+                  bucket_sizes: Sequence[int] = (5 * _MiB, 50 * _MiB), tp_sizes: Sequence[int] = (1,)) -> TuningSpace:
+    """Every stage, every micro-batch dividing a per-rank batch, offload on/off; bucket sizes only when
+    not ``fast`` (DeepSpeed's meaning of the flag); checkpointing when the engine can switch it; the
+    tensor-parallel degrees given that divide ``world``."""
+    tps = tuple(t for t in tp_sizes if t >= 1 and world % t == 0) or (1,)
+    if global_batch % world:
+        raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size {world}")
+    per_rank = {global_batch // (world // t) for t in tps}
+    mbs = tuple(sorted({m for b in per_rank for m in micro_batch_sizes(b, *mbs_range)}))
     if not mbs:
         raise ConfigError(f"no micro-batch in [{mbs_range[0]}, {mbs_range[1]}] divides the per-rank batch "
-                          f"{global_batch // dp_size}; widen min/max_train_micro_batch_size_per_gpu")
+                          f"{global_batch // world}; widen min/max_train_micro_batch_size_per_gpu")
     buckets: Tuple[Optional[int], ...] = (None,) if fast else (None, *bucket_sizes)
     ckpt = (False, True) if ACTIVATION_CHECKPOINTING_KEY else (False,)
-    return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt)
+    return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt, tp_sizes=tps)
 
 
-def enumerate_candidates(space: TuningSpace, global_batch: int, dp_size: int) -> List[Candidate]:
-    """Every valid candidate: micro-batches that divide the per-rank batch, offload only where the stage
-    allows it (optimizer: stages 1-3, parameters: stage 3)."""
-    per_rank = global_batch // dp_size
+def _meaningful(stage: int, oo: bool, op: bool, dp: int) -> bool:
+    """Offload only where the stage allows it (optimizer: stages 1-3, parameters: stage 3). With one
+    data-parallel rank ZeRO partitions nothing: stage 0, and the offloads (stage 1 with the optimizer's,
+    stage 3 with both), are the distinct configs."""
+    if (oo and stage == 0) or (op and stage != 3):
+        return False
+    if dp == 1:
+        return (stage, oo, op) in ((0, False, False), (1, True, False), (3, True, True))
+    return True
+
+
+def enumerate_candidates(space: TuningSpace, global_batch: int, world: int) -> List[Candidate]:
+    """Every valid candidate at ``world`` ranks: for each tensor-parallel degree that divides the world,
+    the micro-batches that divide that degree's per-rank batch, the stages and offloads that mean something
+    (:func:`_meaningful`)."""
     out: List[Candidate] = []
-    for stage in space.stages:
-        for mbs in space.micro_batches:
-            if per_rank % mbs or global_batch % dp_size:
-                continue
-            for oo in space.offload_optimizer:
-                for op in space.offload_param:
-                    if (oo and stage == 0) or (op and stage != 3):
-                        continue
-                    for rb in space.reduce_bucket_sizes:
-                        for ck in space.activation_checkpointing:
-                            out.append(Candidate(stage, mbs, per_rank // mbs, oo, op, rb, ck))
+    for tp in space.tp_sizes:
+        if world % tp or global_batch % (world // tp):
+            continue
+        dp = world // tp
+        per_rank = global_batch // dp
+        for stage in space.stages:
+            for mbs in space.micro_batches:
+                if per_rank % mbs:
+                    continue
+                for oo in space.offload_optimizer:
+                    for op in space.offload_param:
+                        if not _meaningful(stage, oo, op, dp):
+                            continue
+                        for rb in space.reduce_bucket_sizes:
+                            for ck in space.activation_checkpointing:
+                                out.append(Candidate(stage, mbs, per_rank // mbs, oo, op, rb, ck, tp))
     return out
 
 
@@ -111,10 +139,11 @@ def _offload_block(user: Any) -> Dict[str, Any]:
     return {"device": "cpu"}
 
 
-def apply_candidate(user_config: Dict[str, Any], cand: Candidate, dp_size: int) -> Dict[str, Any]:
-    """A copy of the user's config with the candidate's values; every other section is kept as given."""
+def apply_candidate(user_config: Dict[str, Any], cand: Candidate, world: int) -> Dict[str, Any]:
+    """A copy of the user's config with the candidate's values at ``world`` ranks; every other section is
+    kept as given."""
     cfg = copy.deepcopy(user_config)
-    cfg["train_batch_size"] = cand.micro_batch * cand.grad_accum * dp_size
+    cfg["train_batch_size"] = cand.micro_batch * cand.grad_accum * cand.dp_size(world)
     cfg["train_micro_batch_size_per_gpu"] = cand.micro_batch
     cfg["gradient_accumulation_steps"] = cand.grad_accum
     zero = cfg.get("zero_optimization")
@@ -136,6 +165,8 @@ def apply_candidate(user_config: Dict[str, Any], cand: Candidate, dp_size: int) 
     cfg["zero_optimization"] = zero
     if ACTIVATION_CHECKPOINTING_KEY:
         _set_dotted(cfg, ACTIVATION_CHECKPOINTING_KEY, cand.activation_checkpointing)
+    if cand.tp > 1 or isinstance(cfg.get("tensor_parallel"), dict):
+        _set_dotted(cfg, "tensor_parallel.autotp_size", cand.tp)
     return cfg
 
 
@@ -147,10 +178,12 @@ def _set_dotted(cfg: Dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def user_global_batch(user_config: Dict[str, Any], dp_size: int) -> int:
-    """The global batch the user's config trains with at ``dp_size`` ranks (what the tuner keeps)."""
+def user_global_batch(user_config: Dict[str, Any], world: int) -> int:
+    """The global batch the user's config trains with at ``world`` ranks (what the tuner keeps; its data-parallel
+    size is the world over the config's tensor-parallel degree)."""
     from shardspeed.config import load_config
 
-    resolved = load_config({k: v for k, v in user_config.items() if k != "autotuning"}, world_size=dp_size)
+    tp = int((user_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
+    resolved = load_config({k: v for k, v in user_config.items() if k != "autotuning"}, world_size=max(world // tp, 1))
     assert resolved.train_batch_size is not None
     return int(resolved.train_batch_size)

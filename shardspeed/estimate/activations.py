@@ -57,7 +57,8 @@ class TransformerShape:
 class ActivationProfile:
     """Activation bytes of one micro-step at ``micro_batch`` × ``seq_len``: ``forward_bytes`` live when the
     forward ends (saved for backward), ``peak_bytes`` the most live at any point of forward and backward.
-    ``source``: "traced" or "formula"."""
+    ``source``: "traced", "formula", or "fitted" (given by the caller, e.g. the autotuner's zero profile that
+    leaves the activations out: used as it is at any tensor/pipeline degree and sequence length)."""
 
     forward_bytes: float
     peak_bytes: float

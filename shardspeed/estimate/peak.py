@@ -265,8 +265,8 @@ def _activations(spec: ModelSpec, cfg, micro_batch, seq_len, checkpointing, tp, 
     ckpt = checkpointing if checkpointing is not None else (prof.checkpointing if prof else False)
     gas = cfg.gradient_accumulation_steps or 1
     in_flight = min(pp, gas) if pp > 1 else 1
-    usable = (prof is not None and prof.checkpointing == ckpt and tp == 1 and pp == 1
-              and (seq_len is None or seq_len == prof.seq_len))
+    usable = prof is not None and prof.checkpointing == ckpt and (
+        prof.source == "fitted" or (tp == 1 and pp == 1 and (seq_len is None or seq_len == prof.seq_len)))
     if usable:
         assert prof is not None
         return prof.scaled_to(int(mb)) if prof.micro_batch != mb else prof
