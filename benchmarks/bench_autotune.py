@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Model-guided autotuning against an exhaustive grid over the same space, under a memory budget.
 
-    python benchmarks/bench_autotune.py --quick          # GPT (256 wide, 4 layers) at world 2, ~15-25 min here
+    python benchmarks/bench_autotune.py --quick          # GPT (256 wide, 4 layers) at world 2, ~25 min here
 
 1. The grid: every candidate of the space (ZeRO stage 0-3 × micro-batch {1,2,4,8} with the global batch
    kept × optimizer offload × parameter offload × tensor-parallel degree 1 or 2: 36 configs at TP 1, and
-   at TP 2, where one data-parallel rank is left, stage 0 and the two offloads: 12; 48 in all) runs as a trial, the same way the tuner
-   runs one (benchmarks/autotune_gpt.py, profile steps 3-5). This gives every config's measured step time
-   and peak memory per rank.
+   12 at TP 2, where one data-parallel rank is left: stage 0 and the two offloads; 48 in all) runs as a
+   trial, the same way the tuner runs one (benchmarks/autotune_gpt.py, --profile-steps timed steps from
+   step 3), in --grid-repeats passes (default 3), each in its own shuffled order. A config's step time and
+   peak memory per rank are the medians of its passes: one pass is noise on a shared box.
 2. The budget: the artificial device-memory budget is the --budget-quantile (default 0.5) of the grid's
    measured peaks, so part of the space does not fit (the box has no small device to run out of).
 3. The tuner (`shardspeed.autotune.search.Tuner`, model_based) runs in a directory of its own, knowing
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--budget-quantile", type=float, default=0.5)
     p.add_argument("--pairs", type=int, default=2)
-    p.add_argument("--grid-repeats", type=int, default=2,
+    p.add_argument("--grid-repeats", type=int, default=3,
                    help="run the whole grid this many times, each pass in its own shuffled order; a config's step "
                         "time and peak are the medians over its passes (one pass is noise on a shared box)")
     p.add_argument("--profile-steps", type=int, default=6,

@@ -196,7 +196,7 @@ def time_ceiling(rows) -> None:
     r2 = 1 - float(((y - fit) ** 2).sum() / ((y - y.mean()) ** 2).sum())
     print(f"step time: the tuner's model ranks the grid at Spearman "
           f"{spearman([r['predicted_step_s'] for r in rows], meas):.2f}; a linear fit on all {len(rows)} measured "
-          f"times themselves reaches {spearman(list(fit), meas):.2f} (R^2 {r2:.2f}): the one-shot grid's noise ceiling")
+          f"times themselves reaches {spearman(list(fit), meas):.2f} (R^2 {r2:.2f}): the grid's noise ceiling")
 
 
 def fits_pred(model: StateMemoryModel, c: Candidate, budget: float, margin: float) -> bool:

@@ -121,7 +121,7 @@ class Tuner:
     nproc: int = 1
     config: Optional[AutotuningConfig] = None
     space: Optional[TuningSpace] = None
-    prune_margin: float = 0.05  # prune only when predicted over budget by more than this share
+    prune_margin: float = 0.08  # prune only when predicted over budget by more than this share
     unmeasured_margin: float = 0.10  # the same, for a variant (stage, offloads) no run has measured yet
     model_spec: Optional[ModelSpec] = None  # the model, described without allocating (else from calibration)
     seq_len: Optional[int] = None  # the tokens per sample, for the checkpointed share of ``model_spec``
