@@ -45,3 +45,34 @@ def test_collectives_and_their_log():
         assert r["records"] == 7
     assert torch.equal(r0["reduce_scatter"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
     assert torch.equal(r1["reduce_scatter"], torch.tensor([8.0, 10.0, 12.0, 14.0]))
+
+
+def test_comms_logger_switches_verbose_prof_ops_and_debug(caplog):
+    """comms_logger.verbose logs each collective as DeepSpeed prints it; prof_ops limits records and lines
+    (the totals still count every collective); debug names the function that issued it."""
+    import logging
+
+    from shardspeed.config import load_config
+    from shardspeed.dist import CommsLogger
+    from shardspeed.runtime.builder import build_comms_logger
+
+    log = CommsLogger(keep_records=True, verbose=True, ops=["all_gather"], debug=True)
+
+    def issue_gather():
+        return log.start("all_gather", torch.zeros(1024), 2)
+
+    with caplog.at_level(logging.INFO, logger="shardspeed.dist.comms"):
+        log.finish(log.start("all_reduce", torch.zeros(256), 2))
+        log.finish(issue_gather())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "comm op: all_gather" in lines[0] and "msg size: 4.00 KB" in lines[0]
+    assert "busbw (Gbps)" in lines[0] and lines[0].endswith("caller: test_collectives.issue_gather")
+    assert [r.op for r in log.records] == ["all_gather"] and log.records[0].caller.endswith("issue_gather")
+    assert set(log.summary()) == {"all_reduce", "all_gather"}  # the byte accounting stays whole
+    # the config block drives it; its switches act only when the logger is enabled
+    cfg = {"train_micro_batch_size_per_gpu": 1, "comms_logger": {"enabled": True, "verbose": True, "debug": True,
+                                                                  "prof_all": False, "prof_ops": ["all_reduce"]}}
+    built = build_comms_logger(load_config(cfg).comms_logger)
+    assert built.keep_records and built.verbose and built.debug and built.ops == {"all_reduce"}
+    off = build_comms_logger(load_config({**cfg, "comms_logger": {"enabled": False, "verbose": True}}).comms_logger)
+    assert not (off.keep_records or off.verbose or off.debug) and off.ops is None

@@ -1,5 +1,5 @@
 """Process groups, the (pipe, data, model) mesh topology, DeepSpeed's group names, and logged collectives."""
-from .comms import CommHandle, CommRecord, Collectives, CommsLogger
+from .comms import Collectives, CommHandle, CommRecord, CommsLogger
 from .init import DEFAULT_TIMEOUT_S, default_backend, init_distributed, local_device
 from .mpu import MeshMPU
 from .topology import MESH_DIMS, Topology, mesh_sizes

@@ -6,13 +6,13 @@ launch to completion). ``CommHandle.wait()`` is the host sync point of an asynch
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 import time
-from collections import OrderedDict
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ class CommRecord:
     world: int
     start: float
     end: Optional[float] = None
+    caller: str = ""  # the function that issued it (comms_logger.debug)
 
     @property
     def ring_bytes(self) -> float:
@@ -72,13 +73,25 @@ class CommRecord:
 class CommsLogger:
     """Counts every collective: per-op totals always (cheap, bounded); per-call records when ``keep_records``.
 
-    Per-call records are kept in a ring of ``max_records`` so a long run cannot grow without bound.
+    Per-call records are kept in a ring of ``max_records`` so a long run cannot grow without bound. The
+    ``comms_logger`` block's switches: ``verbose`` logs one line per collective as it completes (time,
+    size, algorithm and bus bandwidth, as DeepSpeed prints them); ``ops`` (``prof_ops`` when ``prof_all`` is
+    false) limits the records and lines to those collectives (the totals still count every one: the byte
+    accounting stays whole); ``debug`` names the function that issued each one.
     """
 
-    def __init__(self, keep_records: bool = False, max_records: int = 100_000):
+    def __init__(self, keep_records: bool = False, max_records: int = 100_000, *, verbose: bool = False,
+                 ops: Optional[Sequence[str]] = None, debug: bool = False):
         self.keep_records = keep_records
+        self.verbose = verbose
+        self.ops = frozenset(ops) if ops is not None else None
+        self.debug = debug
         self.records: Deque[CommRecord] = deque(maxlen=max_records)
         self._totals: Dict[str, Dict[str, float]] = OrderedDict()
+
+    def profiled(self, op: str) -> bool:
+        """Whether ``op``'s calls are recorded and printed (``prof_all``, or listed in ``prof_ops``)."""
+        return self.ops is None or op in self.ops
 
     def start(self, op: str, tensor: torch.Tensor, world: int) -> CommRecord:
         return self.start_bytes(op, tensor.numel() * tensor.element_size(), tensor.numel(), world)
@@ -93,13 +106,18 @@ class CommsLogger:
         s["msg_bytes"] += rec.msg_bytes
         s["ring_bytes"] += rec.ring_bytes
         s["paper_bytes"] += rec.paper_bytes
-        if self.keep_records:
-            self.records.append(rec)
+        if self.profiled(op):
+            if self.debug:
+                rec.caller = _caller()
+            if self.keep_records:
+                self.records.append(rec)
         return rec
 
     def finish(self, rec: CommRecord) -> None:
         rec.end = time.perf_counter()
         self._totals[rec.op]["seconds"] += rec.end - rec.start
+        if self.verbose and self.profiled(rec.op):
+            logger.info(describe_record(rec))
 
     def reset(self) -> None:
         self.records.clear()
@@ -120,12 +138,41 @@ class CommsLogger:
         return "\n".join(rows)
 
 
+def _caller() -> str:
+    """``module.function`` of the first frame outside this file (the code that issued the collective)."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    module = frame.f_globals.get("__name__", "?").rsplit(".", 1)[-1]
+    return f"{module}.{frame.f_code.co_name}"
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GB"
+
+
+def describe_record(rec: CommRecord) -> str:
+    """One completed collective as DeepSpeed's verbose comms logger prints it."""
+    seconds = max((rec.end or rec.start) - rec.start, 1e-12)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    line = (f"rank={rank} | comm op: {rec.op} | time (ms): {seconds * 1e3:.2f} | msg size: {_size(rec.msg_bytes)} "
+            f"| algbw (Gbps): {rec.msg_bytes * 8 / seconds / 1e9:.2f} | busbw (Gbps): "
+            f"{rec.ring_bytes * 8 / seconds / 1e9:.2f}")
+    return line + (f" | caller: {rec.caller}" if rec.caller else "")
+
+
 class CommHandle:
     """An issued collective: ``wait()`` blocks until it is done (a host sync point)."""
 
     __slots__ = ("tensor", "_work", "_record", "_describe", "_log")
 
-    def __init__(self, tensor: torch.Tensor, work, record: CommRecord, describe: str, log: "CommsLogger"):
+    def __init__(self, tensor: torch.Tensor, work, record: CommRecord, describe: str, log: CommsLogger):
         self.tensor = tensor
         self._work = work
         self._record = record
@@ -168,7 +215,7 @@ class Collectives:
         self.gloo_slice_bytes = 16 * 2**20
 
     @classmethod
-    def over(cls, group: Optional[dist.ProcessGroup], logger_: Optional[CommsLogger] = None) -> "Collectives":
+    def over(cls, group: Optional[dist.ProcessGroup], logger_: Optional[CommsLogger] = None) -> Collectives:
         """The collectives of another process group of the mesh (model, pipe, a tie group; None: the world),
         logged into ``logger_``."""
         return cls(Topology.data_parallel(group), logger_)
@@ -237,9 +284,9 @@ class Collectives:
         for a in range(0, n, step):
             b = min(a + step, n)
             tmp = torch.empty(self.world, b - a, dtype=output.dtype, device=output.device)
-            handle = self._run("all_gather", lambda x: _all_gather_tensor(tmp.view(-1), input[a:b].contiguous(),
-                                                                          group=self.group, async_op=x),
-                               tmp, tmp, False)
+            flat, piece = tmp.view(-1), input[a:b].contiguous()
+            handle = self._run("all_gather", lambda x, out=flat, src=piece: _all_gather_tensor(
+                out, src, group=self.group, async_op=x), tmp, tmp, False)
             parts[:, a:b].copy_(tmp)
         assert handle is not None  # n > 0: only inputs larger than one slice come here
         return CommHandle(output, None, handle._record, handle._describe, self.log)

@@ -74,7 +74,7 @@ class Topology:
     user_mpu: Any = None
 
     @classmethod
-    def data_parallel(cls, group: Optional[dist.ProcessGroup] = None) -> "Topology":
+    def data_parallel(cls, group: Optional[dist.ProcessGroup] = None) -> Topology:
         """All ranks of ``group`` (default: the world) form one data-parallel group; no mesh, no other
         groups are created (for tests and tools that drive ZeRO parts directly)."""
         return cls(
@@ -85,7 +85,7 @@ class Topology:
         )
 
     @classmethod
-    def from_mesh(cls, pipe: int = 1, model: int = 1) -> "Topology":
+    def from_mesh(cls, pipe: int = 1, model: int = 1) -> Topology:
         """Build the ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
@@ -104,7 +104,7 @@ class Topology:
         return _MESHES[key]
 
     @classmethod
-    def _build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> "Topology":
+    def _build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> Topology:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
@@ -126,7 +126,7 @@ class Topology:
         )
 
     @classmethod
-    def from_mpu(cls, mpu: Any) -> "Topology":
+    def from_mpu(cls, mpu: Any) -> Topology:
         """The groups of a user's Megatron-style model-parallel unit (``initialize(mpu=...)``).
 
         The data-parallel group is ``mpu.get_data_parallel_group()`` (as DeepSpeed takes it); model,

@@ -113,6 +113,14 @@ def _scheduler(cfg: ShardspeedConfig, optimizer, client_scheduler):
     return client_scheduler
 
 
+def build_comms_logger(cl) -> CommsLogger:
+    """The `comms_logger` block: records, per-call lines (`verbose`), the ops profiled (`prof_all` /
+    `prof_ops`) and callers (`debug`) when `enabled`; the byte totals are always kept."""
+    on = bool(cl.enabled)
+    return CommsLogger(keep_records=on, verbose=on and bool(cl.verbose), debug=on and bool(cl.debug),
+                       ops=None if (cl.prof_all or not on) else cl.prof_ops)
+
+
 def build_engine(
     model: nn.Module,
     config,
@@ -135,7 +143,7 @@ def build_engine(
     stage = zero.stage
     train_dtype = cfg.train_dtype
 
-    comms_logger = CommsLogger(keep_records=bool(cfg.comms_logger.enabled))
+    comms_logger = build_comms_logger(cfg.comms_logger)
     collectives = Collectives(topo, comms_logger)
 
     if cfg.optimizer is None and optimizer is None:
