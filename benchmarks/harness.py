@@ -21,7 +21,6 @@ import functools
 import multiprocessing as mp
 import os
 import queue
-import re
 import socket
 import statistics
 import sys
@@ -37,9 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def proc_status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) if m else 0
+    """A ``kB`` field of /proc/self/status (0 where there is none)."""
+    from shardspeed.autotune.probe import proc_status_bytes
+
+    return (proc_status_bytes(field) or 0) // 1024
 
 
 PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}

@@ -45,15 +45,20 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _vm_hwm() -> Optional[int]:
+def proc_status_bytes(field: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; None where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _vm_hwm() -> Optional[int]:
+    return proc_status_bytes("VmHWM")
 
 
 def peak_device_bytes(device: torch.device) -> int:

@@ -191,15 +191,18 @@ class CommsLoggerConfig(ConfigModel):
 
 
 class AioConfig(ConfigModel):
-    """`aio`: asynchronous I/O for NVMe offload."""
+    """`aio`: DeepSpeed's libaio tuning for NVMe offload. shardspeed's NVMe path streams whole tiles with
+    `os.preadv`/`os.pwritev` through the page cache, on one reader and one writer thread (docs/offload.md),
+    so these request-level knobs are accepted and have no counterpart (performance only)."""
 
     ALIASES = {"thread_count": "intra_op_parallelism"}
 
-    block_size: int = field(1_048_576, "Bytes per I/O request.", gt=0)
-    queue_depth: int = field(8, "I/O requests in flight.", gt=0)
-    intra_op_parallelism: int = field(1, "Threads per I/O operation. Also `thread_count` (older name).", gt=0)
-    single_submit: bool = field(False, "Submit requests one at a time (else in batches).")
-    overlap_events: bool = field(True, "Overlap submitting requests with waiting for completions.")
+    block_size: int = field(1_048_576, "DeepSpeed: bytes per libaio request.", gt=0, ignored=True)
+    queue_depth: int = field(8, "DeepSpeed: libaio requests in flight.", gt=0, ignored=True)
+    intra_op_parallelism: int = field(1, "DeepSpeed: libaio threads per I/O operation. Also `thread_count` (older "
+                                         "name).", gt=0, ignored=True)
+    single_submit: bool = field(False, "DeepSpeed: submit libaio requests one at a time.", ignored=True)
+    overlap_events: bool = field(True, "DeepSpeed: overlap libaio submission with completion.", ignored=True)
     use_gds: bool = field(False, "DeepSpeed: GPUDirect Storage.", ignored=True)
 
 
