@@ -325,6 +325,37 @@ def test_failed_save_leaves_no_temporary_files_and_latest_still_loads(tmp_path):
         assert r["same_as_good"] == [] or r["same_as_good"] == ["rng"], r["same_as_good"]
 
 
+def _tag_cases(root: str):
+    import torch.distributed as dist
+
+    import shardspeed
+
+    rank, out = dist.get_rank(), {}
+    for mode in ("FAIL", "WARN", "IGNORE"):
+        engine, *_ = shardspeed.initialize(model=make_model("mlp"),
+                                           config={**_cfg(1), "checkpoint": {"tag_validation": mode}})
+        _train(engine, 1, seed=1)
+        d = os.path.join(root, mode)
+        try:
+            out[mode] = os.path.basename(engine.save_checkpoint(d, tag=f"t{rank}"))
+        except CheckpointError as exc:
+            out[mode] = str(exc)
+        dist.barrier()
+        out[mode + "_left"] = sorted(os.listdir(d))
+        dist.barrier()
+    return out
+
+
+def test_tags_that_differ_between_ranks_follow_tag_validation(tmp_path):
+    """FAIL: an error on every rank and nothing written; WARN (DeepSpeed's default) and IGNORE: one checkpoint
+    under rank 0's tag, never a directory per rank."""
+    for r in run_distributed(_tag_cases, 2, str(tmp_path), timeout=120):
+        assert "ranks disagree on the checkpoint tag (rank 0: 't0', rank 1: 't1')" in r["FAIL"]
+        assert r["FAIL_left"] == []
+        for mode in ("WARN", "IGNORE"):
+            assert r[mode] == "t0" and r[mode + "_left"] == ["latest", "t0"], (mode, r)
+
+
 # ---- consolidate: a failure leaves no model.safetensors.tmp ----------------------------------------------
 def _save_one(root: str):
     import shardspeed

@@ -6,23 +6,27 @@ Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` ×
   on a CPU "device" the offloaded states stay in the same memory, so they count there too;
 - working buffers: the gradient bucket (stages 0-2) or two gathered units plus one unit's gradients
   (stage 3), and the optimizer step's fp32 temporaries over the rank's optimizer shard;
-- ``base`` (runtime, allocator, data; one per measured variant: stage and offloads) and ``act`` (activations and their
-  gradients per sample) are fitted by least squares from measured runs (two calibration runs, then
-  every trial as it finishes).
+- ``base`` (runtime, allocator, data; one per measured variant: stage, offloads, TP degree) and ``act``
+  (activations and their gradients per sample, with the estimator's formulas as one more observation) are
+  fitted by least squares from measured runs (two calibration runs, then every trial as it finishes).
 
-``act`` × micro-batch is scaled by ``ckpt_share`` with activation checkpointing. The tuner uses
-:class:`~.memory.EstimatorMemoryModel`, which takes the structure (model states, buckets, gathered units,
-offload tiles) from :func:`shardspeed.estimate.estimate_peak` instead and fits the same bases and
-activations on top; any :class:`MemoryModel` can stand in.
+``act`` × micro-batch is scaled by ``ckpt_share`` with activation checkpointing and by the TP share of the
+activations. The tuner uses :class:`~.memory.EstimatorMemoryModel`, which takes the structure (model
+states, buckets, gathered units, offload tiles) from :func:`shardspeed.estimate.estimate_peak` instead and
+fits the same bases and activations on top; any :class:`MemoryModel` can stand in.
 
-Step time (seconds per optimizer step) = G·(α + β·m·r) + comm + optimizer + offload copies, with G
-accumulation steps of micro-batch m, r the recompute factor (4/3 with activation checkpointing):
+Step time (seconds per optimizer step) = G·(α + β·m·r/t) + γ·comm + TP all-reduces + optimizer + offload
+copies, with G accumulation steps of micro-batch m at tensor-parallel degree t, r the recompute factor
+(4/3 with activation checkpointing):
 
-- α (per micro-step) and β (per sample) are fitted from measured runs, and each measured variant
-  (stage, offloads) gets its mean residual as a correction;
-- comm from the bandwidth probe (latency + bytes / bandwidth per collective; ring factors): an
-  all-reduce of the gradients (stage 0), reduce-scatter + all-gather (1-2), and at stage 3 two gathers of
-  every unit per micro-step plus one reduce-scatter per step;
+- α (per micro-step), β (per sample) and γ are fitted from measured runs, and each measured variant
+  (stage, offloads, TP degree) gets its mean residual as a correction;
+- comm, each collective at the probe's latency and bandwidth for it, as the engine issues it over the
+  data-parallel group: an all-reduce of the gradients per step (stage 0), a reduce-scatter and an all-gather
+  per step (stage 1), a reduce-scatter per micro-step and an all-gather per step (stage 2), two gathers of
+  every unit and a reduce-scatter per micro-step (stage 3); γ is the share of it the runs bear out
+  (prefetch and overlap_comm hide part of it);
+- TP: four all-reduces of each layer's activations per micro-step over the model group;
 - the optimizer's step over the rank's shard at the probe's per-element Adam cost (host copies of the
   gradient and parameter shards added with optimizer offload; per-micro-step fetches with parameter offload).
 """
@@ -74,6 +78,7 @@ class ModelInfo:
         return self.num_params / c.tp
 
     def dp(self, c: Candidate) -> int:
+        """The candidate's data-parallel size (the ranks ZeRO partitions over)."""
         return c.dp_size(self.world_size)
 
 
@@ -256,7 +261,7 @@ class StepTimeModel:
     #: prefetched gathers and overlap_comm's reductions run under compute; the probe's message size is not the
     #: engine's). The optimizer step, offload copies and TP all-reduces sit on the critical path at face value.
     overhead_scale: float = 1.0
-    #: measured correction per (stage, offload optimizer, offload param): the mean residual of its runs
+    #: measured correction per (stage, offload optimizer, offload param, TP degree): the mean residual of its runs
     variant_offset: Tuple[Tuple[Tuple[int, bool, bool, int], float], ...] = ()
 
     def _collective(self, op: str, nbytes: float, calls: float, n: int) -> float:

@@ -159,14 +159,25 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     try:
         tmp, err, tag0 = view.broadcast_object(prep)
         if err is None and tag0 != tag:
-            err = (f"ranks disagree on the checkpoint tag (rank 0: {tag0!r}, rank {view.rank}: {tag!r}); "
-                   f"pass the same tag")
+            tag, err = _check_tag(engine.config.checkpoint.tag_validation, view.rank, tag, tag0)
         view.agree(err)
         assert tmp is not None
         return _save_into(view, engine, save_dir, tmp, tag, client_state, save_latest, t0)
     except BaseException:
         _remove_leftovers(view.rank, mine, tmp)
         raise
+
+
+def _check_tag(mode: str, rank: int, tag: str, tag0: str) -> Tuple[str, Optional[str]]:
+    """``checkpoint.tag_validation`` when this rank's tag differs from rank 0's: (the tag to save under, an
+    error). FAIL is an error on every rank; WARN logs the difference and IGNORE does not, and both save the
+    one checkpoint under rank 0's tag (DeepSpeed would go on with a directory per tag)."""
+    what = f"ranks disagree on the checkpoint tag (rank 0: {tag0!r}, rank {rank}: {tag!r})"
+    if mode == "FAIL":
+        return tag, f"{what}; pass the same tag (checkpoint.tag_validation is FAIL)"
+    if mode == "WARN":
+        logger.warning("%s: saving under rank 0's tag (checkpoint.tag_validation: WARN)", what)
+    return tag0, None
 
 
 def _remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> None:

@@ -63,7 +63,8 @@ class CheckpointConfig(ConfigModel):
     """`checkpoint`: checkpoint saving and loading."""
 
     tag_validation: Literal["WARN", "IGNORE", "FAIL"] = field(
-        "WARN", "What to do when ranks save under different tags: Warn, Ignore or Fail (any case).")
+        "WARN", "When ranks save under different tags: Fail raises on every rank; Warn (logs it) and Ignore save "
+                "the one checkpoint under rank 0's tag. Any case.")
     load_universal: bool = field(False, "Load a universal (data-parallel-size independent) checkpoint.")
     use_node_local_storage: bool = field(False, "Each node writes to its own local storage.")
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig,
