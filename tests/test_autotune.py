@@ -414,6 +414,10 @@ def test_tp_candidates_split_the_world_and_keep_the_global_batch():
     assert "tensor_parallel" not in apply_candidate(PLAIN, Candidate(0, 8, 1), 2)
     assert default_space(16, 4, tp_sizes=(1, 2, 3, 4)).tp_sizes == (1, 2, 4)
     assert default_space(16, 4, tp_sizes=(1, 2, 4)).micro_batches == (1, 2, 4, 8, 16)  # per-rank batch 4..16
+    # the user's TP degree alone: the global batch need only divide by its data-parallel size
+    assert default_space(3, 2, tp_sizes=(2,)).micro_batches == (1, 3)
+    with pytest.raises(ConfigError, match="not a multiple of the data-parallel size 2"):
+        default_space(3, 2)
 
 
 TP_INFO = replace(INFO, tp_layers=4, tp_bytes_per_sample=64 * 512 * 2.0)

@@ -84,14 +84,16 @@ def default_space(global_batch: int, world: int, *, fast: bool = True, mbs_range
     """Every stage, every micro-batch dividing a per-rank batch, offload on/off; bucket sizes only when
     not ``fast`` (DeepSpeed's meaning of the flag); checkpointing when the engine can switch it; the
     tensor-parallel degrees given that divide ``world``."""
-    tps = tuple(t for t in tp_sizes if t >= 1 and world % t == 0) or (1,)
-    if global_batch % world:
-        raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size {world}")
-    per_rank = {global_batch // (world // t) for t in tps}
+    tps = tuple(t for t in tp_sizes if t >= 1 and world % t == 0 and global_batch % (world // t) == 0)
+    if not tps:
+        sizes = sorted({world // t for t in tp_sizes if t >= 1 and world % t == 0} or {world})
+        raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size "
+                          f"{' or '.join(map(str, sizes))}")
+    per_rank = sorted({global_batch // (world // t) for t in tps})
     mbs = tuple(sorted({m for b in per_rank for m in micro_batch_sizes(b, *mbs_range)}))
     if not mbs:
         raise ConfigError(f"no micro-batch in [{mbs_range[0]}, {mbs_range[1]}] divides the per-rank batch "
-                          f"{global_batch // world}; widen min/max_train_micro_batch_size_per_gpu")
+                          f"{' or '.join(map(str, per_rank))}; widen min/max_train_micro_batch_size_per_gpu")
     buckets: Tuple[Optional[int], ...] = (None,) if fast else (None, *bucket_sizes)
     ckpt = (False, True) if ACTIVATION_CHECKPOINTING_KEY else (False,)
     return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt, tp_sizes=tps)
