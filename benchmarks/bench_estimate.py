@@ -39,12 +39,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.harness import (  # noqa: E402
-    _ctx,
-    _free_port,
     init_gloo,
     next_result,
     proc_status_kb,
     reset_peak_rss,
+    spawn_workers,
+    stop_workers,
     worker_setup,
 )
 
@@ -138,14 +138,8 @@ def _worker(configs: list[dict[str, Any]], seq: int, steps: int, rank: int, worl
 
 def measure(configs: list[dict[str, Any]], seq: int, steps: int, world: int, timeout: float) -> list[dict[str, Any]]:
     """Run ``configs`` on ``world`` fresh processes; per config the max over ranks of the peak over baseline."""
-    ctx = _ctx()
-    res_q = ctx.Queue()
-    port = _free_port()
     target = importlib.import_module("benchmarks.bench_estimate")._worker
-    procs = [ctx.Process(target=target, daemon=True, args=(configs, seq, steps, r, world, port, res_q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, res_q = spawn_workers(target, world, lambda r, port, q: (configs, seq, steps, r, world, port, q))
     got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
     deadline = time.monotonic() + timeout
     try:
@@ -157,10 +151,7 @@ def measure(configs: list[dict[str, Any]], seq: int, steps: int, world: int, tim
                 print(f"  measured stage {r['stage']} offload {int(r['offload'])} ckpt {int(r['ckpt'])} mb {r['mb']}: "
                       f"{(r['peak_kb'] - r['base_kb']) / 1024:.0f} MiB over baseline", flush=True)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        stop_workers(procs, 30)
     out = []
     for i, c in enumerate(configs):
         reps = [got[r][i] for r in range(world)]

@@ -30,12 +30,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.harness import (  # noqa: E402
-    _ctx,
-    _free_port,
     init_gloo,
     next_result,
     proc_status_kb,
     reset_peak_rss,
+    spawn_workers,
+    stop_workers,
     worker_setup,
 )
 
@@ -162,13 +162,8 @@ def main(argv=None) -> int:
     print(f"GPT {args.layers} x {args.embd} ({args.heads} heads): {pred['params']:,} parameters; fp32 master + Adam "
           f"= {12 * pred['params'] / GiB:.1f} GiB against {ram / GiB:.1f} GiB of RAM; predicted peak "
           f"{pred['total'] / GiB:.2f} GiB per rank, files {pred['nvme'] / GiB:.1f} GiB per rank", flush=True)
-    ctx = _ctx()
-    res_q = ctx.Queue()
-    port = _free_port()
     target = importlib.import_module("benchmarks.bench_scale")._worker
-    procs = [ctx.Process(target=target, daemon=True, args=(args, r, args.world, port, res_q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
+    procs, res_q = spawn_workers(target, args.world, lambda r, port, q: (args, r, args.world, port, q))
     got: dict[str, dict[int, Any]] = {"ref": {}, "ok": {}}
     try:
         deadline = time.monotonic() + 6 * 3600
@@ -176,10 +171,7 @@ def main(argv=None) -> int:
             rank, kind, payload = next_result(res_q, procs, "bench_scale", deadline)
             got[kind][rank] = payload
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        stop_workers(procs, 60)
         shutil.rmtree(args.nvme_path, ignore_errors=True)
     big, ref = got["ok"][0], got["ref"][0]
     peak = max(r["peak_rss_bytes"] for r in got["ok"].values())

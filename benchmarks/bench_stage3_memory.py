@@ -52,12 +52,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.harness import (  # noqa: E402
-    _ctx,
-    _free_port,
     init_gloo,
     next_result,
     proc_status_kb,
     reset_peak_rss,
+    spawn_workers,
     worker_setup,
 )
 from benchmarks.models import MODELS  # noqa: E402
@@ -241,15 +240,11 @@ class Group:
     """The ``world`` worker processes of one system (fresh processes: nothing inherited from another system)."""
 
     def __init__(self, system: str, model_name: str, world: int, steps: int, sample_ms: float):
-        ctx = _ctx()
-        self.system, self.world, self.res_q = system, world, ctx.Queue()
-        port = _free_port()
+        self.system, self.world = system, world
         target = importlib.import_module("benchmarks.bench_stage3_memory")._worker  # picklable by module name
-        self.procs = [ctx.Process(target=target, daemon=True, args=(system, model_name, r, world, port, steps,
-                                                                    sample_ms, self.res_q)) for r in range(world)]
         self.t0 = time.perf_counter()
-        for p in self.procs:
-            p.start()
+        self.procs, self.res_q = spawn_workers(
+            target, world, lambda r, port, q: (system, model_name, r, world, port, steps, sample_ms, q))
 
     def collect(self, timeout: float, log=print) -> dict[str, Any]:
         got: dict[int, Any] = {}

@@ -134,6 +134,26 @@ def next_result(res_q, procs, system: str, deadline: float) -> Tuple[int, str, A
         return rank, kind, payload
 
 
+def spawn_workers(target, world: int, make_args) -> Tuple[List[Any], Any]:
+    """Start ``world`` fresh worker processes (the forkserver context) on a free port, rank ``r`` running
+    ``target(*make_args(r, port, q))``; the processes and the result queue ``q`` they report on."""
+    ctx = _ctx()
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, daemon=True, args=make_args(r, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, q
+
+
+def stop_workers(procs, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for each worker to exit, then kill it."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+
+
 def run_once(target, world: int, args: tuple, timeout: float, what: str) -> Any:
     """Spawn ``world`` workers ``target(rank, world, port, *args, q)`` on a free port, wait for the one
     ``("ok" | "error", value)`` a worker puts on ``q``, then stop them all: the value, or a RuntimeError
