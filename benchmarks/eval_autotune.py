@@ -59,7 +59,7 @@ def main(path: str = str(HERE / "results" / "bench_autotune.json")) -> int:
     spec = describe_gpt(GPTConfig(vocab_size=256, block_size=m["block_size"], n_layer=m["n_layer"], n_head=4,
                                   n_embd=m["n_embd"]), user, trace=False)
     info = ModelInfo(spec.num_params, max(spec.stage3_units), len(spec.stage3_units), "fp32", m["nproc"], True,
-                     tp_layers=m["n_layer"], tp_bytes_per_sample=float(m["block_size"] * m["n_embd"] * 4))
+                     tp_layers=m["n_layer"], tp_elems_per_sample=m["block_size"] * m["n_embd"])
     grid = {parse_name(r["name"]): r for r in d["grid"] if r.get("peak_memory")}
     sizes = sorted({c.micro_batch for c in grid})
     calib = [c for c in grid if c.stage == 3 and not c.offload_optimizer and not c.offload_param and c.tp == 1

@@ -420,7 +420,7 @@ def test_tp_candidates_split_the_world_and_keep_the_global_batch():
         default_space(3, 2)
 
 
-TP_INFO = replace(INFO, tp_layers=4, tp_bytes_per_sample=64 * 512 * 2.0)
+TP_INFO = replace(INFO, tp_layers=4, tp_elems_per_sample=64 * 512)
 
 
 def test_time_model_charges_each_stage_its_collectives_and_tp_its_all_reduces():
@@ -443,7 +443,7 @@ def test_time_model_charges_each_stage_its_collectives_and_tp_its_all_reduces():
     c = Candidate(0, 4, 4, tp=2)
     o = tm.overheads(c)
     assert o["comm"] == 0.0
-    assert o["tp_comm"] == pytest.approx(4 * (2 * 0.5 * 4 * 4 * 4 * TP_INFO.tp_bytes_per_sample / 1e9))
+    assert o["tp_comm"] == pytest.approx(4 * (2 * 0.5 * 4 * 4 * 4 * 64 * 512 * 2.0 / 1e9))  # bf16 activations
     assert o["optimizer"] == pytest.approx(INFO.num_params / 2 * LINK.adam_s_per_elem)
     assert tm.features(c) == (4.0, 8.0)  # the samples' compute is split over the pair
 

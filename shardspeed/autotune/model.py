@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -62,12 +62,10 @@ class ModelInfo:
     device_is_host: bool  # CPU training: offloaded states share the one memory
     default_bucket: int = 500_000_000  # the user's reduce_bucket_size (elements)
     #: tensor parallelism (Megatron's layout, no sequence parallelism): each of ``tp_layers`` transformer
-    #: layers all-reduces its activations (``tp_bytes_per_sample``: tokens × hidden × dtype bytes) twice in
+    #: layers all-reduces its activations (``tp_elems_per_sample``: tokens × hidden, in the training dtype) twice in
     #: forward and twice in backward; 0 when the model's shape is unknown (then no TP candidate is searched)
     tp_layers: int = 0
-    tp_bytes_per_sample: float = 0.0
-
-    DTYPE_BYTES: ClassVar[Dict[str, int]] = _DTYPE_BYTES
+    tp_elems_per_sample: int = 0
 
     @property
     def bytes_per_param(self) -> int:
@@ -297,8 +295,8 @@ class StepTimeModel:
                         + self._collective("all_gather", pbytes, buckets, dp))
         out = {"comm": comm}
         if c.tp > 1:
-            out["tp_comm"] = g * self._collective("all_reduce", 4 * i.tp_layers * c.micro_batch * i.tp_bytes_per_sample,
-                                                  4 * i.tp_layers, c.tp)
+            activations = c.micro_batch * i.tp_elems_per_sample * i.bytes_per_param
+            out["tp_comm"] = g * self._collective("all_reduce", 4 * i.tp_layers * activations, 4 * i.tp_layers, c.tp)
         shard = psi / (dp if c.stage >= 1 else 1)
         if c.offload_optimizer:
             out["optimizer"] = shard * self.link.host_adam_s_per_elem

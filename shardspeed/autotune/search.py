@@ -278,17 +278,15 @@ class Tuner:
                 infos = res.metrics or {}
                 if i >= 1:
                     break
-        dtype = _dtype(self.user_config)
         shape = self.model_spec.shape if self.model_spec is not None else None
         # a calibration at TP > 1 (the user's degree alone) measured one slice: the model is about tp of them
         info = ModelInfo(num_params=int(infos["num_params"]) * tp, largest_unit=int(infos["largest_unit"]) * tp,
-                         num_units=int(infos["num_units"]), dtype=dtype, world_size=self.nproc,
+                         num_units=int(infos["num_units"]), dtype=_dtype(self.user_config), world_size=self.nproc,
                          device_is_host=not torch.cuda.is_available(),
                          default_bucket=int((self.user_config.get("zero_optimization") or {})
                                             .get("reduce_bucket_size", 500_000_000)),
                          tp_layers=shape.n_layer if shape else 0,
-                         tp_bytes_per_sample=float((self.seq_len or shape.max_seq) * shape.hidden
-                                                   * ModelInfo.DTYPE_BYTES[dtype]) if shape else 0.0)
+                         tp_elems_per_sample=(self.seq_len or shape.max_seq) * shape.hidden if shape else 0)
         memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],
                                              seq_len=self.seq_len)
         return CostModel.create(info, link, memory).fit(self._runs)
