@@ -272,3 +272,56 @@ def test_list_valued_hyperparameters_of_the_right_length_pass():
     opt = build_optimizer(cfg("AdamW", betas=[0.8, 0.95]), params_(1.0))
     assert opt.param_groups[0]["betas"] == (0.8, 0.95)
     build_optimizer(cfg("Rprop", etas=[0.4, 1.3], step_sizes=[1e-6, 50]), params_(1.0))
+
+
+# ---------------------------------------------------------------- hyper-parameter values (issue 21)
+
+
+@pytest.mark.parametrize("type_,params,message", [
+    # a value of the wrong kind: torch's constructor said "'<=' not supported between ..." and no key
+    ("AdamW", {"lr": "fast"}, "optimizer.params.lr must be a number, got 'fast'"),
+    ("Adam", {"eps": "tiny"}, "optimizer.params.eps must be a number, got 'tiny'"),
+    ("AdamW", {"weight_decay": None}, "optimizer.params.weight_decay must be a number, got None"),
+    ("SGD", {"lr": 0.1, "momentum": "0.9"}, "optimizer.params.momentum must be a number, got '0.9'"),
+    ("Lion", {"lr": float("nan")}, "optimizer.params.lr must be a number, got nan"),
+    ("AdamW", {"lr": True}, "optimizer.params.lr must be a number, got True"),
+    ("AdamW", {"amsgrad": "yes"}, "optimizer.params.amsgrad of 'AdamW' must be true or false, got 'yes'"),
+    ("Adam", {"torch_adam": "false"}, "optimizer.params.torch_adam of 'Adam' must be true or false"),
+    ("AdamW", {"betas": [0.9, 1.0]}, r"optimizer.params.betas must be 2 numbers in [0, 1), got [0.9, 1.0]"),
+    ("Lamb", {"betas": [-0.1, 0.9]}, "optimizer.params.betas must be 2 numbers in [0, 1)"),
+    ("AdamW", {"lr": "auto"}, 'optimizer.params.lr is "auto"'),
+    # torch's own range checks (ValueError from the constructor), re-raised naming the key
+    ("AdamW", {"lr": -1e-3}, "optimizer.params.lr=-0.001 rejected by AdamW: Invalid learning rate: -0.001"),
+    ("Adam", {"eps": -1.0}, "optimizer.params.eps=-1.0 rejected by Adam (AdamW): Invalid epsilon value"),
+    ("SGD", {"lr": 0.1, "momentum": -0.5}, "optimizer.params.momentum=-0.5 rejected by SGD: Invalid momentum"),
+    ("SGD", {"lr": 0.1, "nesterov": True}, "optimizer.params.nesterov=True rejected by SGD: Nesterov momentum"),
+    ("AdamW", {"weight_decay": -0.1}, "optimizer.params.weight_decay=-0.1 rejected by AdamW"),
+    ("Rprop", {"etas": [2.0, 1.0]}, r"optimizer.params.etas=[2.0, 1.0] rejected by Rprop: Invalid eta values"),
+    ("Lion", {"lr": -1.0}, "optimizer.params.lr=-1.0 rejected by Lion: Lion: invalid lr -1.0"),
+    ("Lamb", {"min_coeff": 5.0, "max_coeff": 1.0},
+     "optimizer.params.min_coeff=5.0, optimizer.params.max_coeff=1.0 rejected by Lamb"),
+])
+def test_bad_hyperparameter_values_are_config_errors_naming_the_key(type_, params, message):
+    with pytest.raises(ConfigError) as e:
+        build_optimizer(cfg(type_, **params), params_(1.0, 2.0))
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value) and "not supported between" not in str(e.value)
+
+
+def test_numbers_of_any_kind_pass():
+    opt = build_optimizer(cfg("AdamW", lr=1, weight_decay=0, eps=0, betas=[0, 0.5]), params_(1.0))
+    assert (opt.defaults["lr"], opt.defaults["weight_decay"], opt.defaults["betas"]) == (1, 0, (0.0, 0.5))
+    assert all(type(b) is float for b in opt.defaults["betas"])  # torch wants "both floats or both Tensors"
+    opt = build_optimizer(cfg("SGD", lr=torch.tensor(0.01), momentum=0.9, nesterov=True), params_(1.0))
+    assert float(opt.defaults["lr"]) == pytest.approx(0.01)
+    build_optimizer(cfg("Adafactor", eps=[None, 1e-3]), params_(1.0))  # a tuple default with a None in it
+
+
+def test_bad_lr_through_initialize_names_the_key():
+    """The newcomer's case end to end: the config's optimizer block through ``shardspeed.initialize``."""
+    import shardspeed
+
+    model = torch.nn.Linear(2, 2)
+    config = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}
+    with pytest.raises(ConfigError, match=r"^optimizer\.params\.lr must be a number, got 'fast'$"):
+        shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import re
 from typing import Any, Dict, Iterable, List, Mapping, Sequence, Type
 
 import torch
@@ -129,23 +131,70 @@ def _fused_applies(cls: type, tensors: Sequence[torch.Tensor]) -> bool:
     return len(kinds) == 1 and kinds <= device_types and all(t.is_floating_point() for t in tensors)
 
 
-def _check_sequences(type_name: str, cls: type, params: Dict[str, Any], defaults: Dict[str, Any]) -> None:
-    """A hyper-parameter whose default is a tuple of numbers (``betas``, ``etas``, ``step_sizes``) must be a
-    list of as many numbers: otherwise the optimizer's constructor fails with an IndexError or TypeError
-    that does not say which key is wrong."""
+def _is_number(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):  # torch takes a 0-d tensor lr (capturable / compiled steps)
+        return v.numel() == 1 and not v.dtype.is_complex and v.dtype != torch.bool
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _shown(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _not_auto(key: str, v: Any) -> None:
+    if isinstance(v, str) and v == "auto":
+        raise ConfigError(
+            f"optimizer.params.{key} is \"auto\", which shardspeed cannot derive: the Hugging Face integration "
+            "(the Trainer, or shardspeed.integrations.transformers.fill_auto) fills it in; pass a number"
+        )
+
+
+def _check_values(type_name: str, cls: type, params: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """Each hyper-parameter given must have the kind of its default: a number where the default is a
+    number (``lr``, ``eps``, ``weight_decay``, ``momentum``, ...), true/false where it is a bool, a list of
+    as many numbers where it is a tuple of numbers (``betas``, ``etas``, ``step_sizes``), and ``betas`` in
+    [0, 1). Otherwise the optimizer's constructor fails with a TypeError (``'<=' not supported ...``) or an
+    IndexError that does not say which key is wrong, or takes a string such as ``"false"`` as true."""
     sig = inspect.signature(cls.__init__)  # type: ignore[misc]
     for k, v in params.items():
+        _not_auto(k, v)
         default = defaults.get(k, sig.parameters[k].default if k in sig.parameters else None)
-        if not (isinstance(default, tuple) and default and all(isinstance(x, (int, float)) for x in default)):
-            continue
-        ok = (isinstance(v, tuple) and len(v) == len(default)
-              and all(isinstance(x, (int, float, torch.Tensor)) and not isinstance(x, bool) for x in v))
-        if not ok:
-            shown = list(v) if isinstance(v, tuple) else v
-            raise ConfigError(
-                f"optimizer.params.{k} of {type_name!r} must be a list of {len(default)} numbers "
-                f"(e.g. {list(default)}), got {shown!r}"
-            )
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise ConfigError(f"optimizer.params.{k} of {type_name!r} must be true or false, got {v!r}")
+        elif isinstance(default, (int, float)):
+            if not _is_number(v):
+                raise ConfigError(f"optimizer.params.{k} must be a number, got {_shown(v)!r}")
+        elif isinstance(default, tuple) and default and all(isinstance(x, (int, float)) for x in default):
+            for x in v if isinstance(v, tuple) else ():
+                _not_auto(k, x)
+            ok = isinstance(v, tuple) and len(v) == len(default) and all(_is_number(x) for x in v)
+            if not ok:
+                raise ConfigError(
+                    f"optimizer.params.{k} of {type_name!r} must be a list of {len(default)} numbers "
+                    f"(e.g. {list(default)}), got {_shown(v)!r}"
+                )
+            if k == "betas" and not all(0.0 <= float(x) < 1.0 for x in v):
+                raise ConfigError(f"optimizer.params.betas must be 2 numbers in [0, 1), got {_shown(v)!r}")
+
+
+def _rejected_keys(message: str, params: Mapping[str, Any]) -> List[str]:
+    """The hyper-parameters of the config's ``params`` that an optimizer constructor's error message is
+    about: torch's phrases ("Invalid learning rate", "Invalid beta parameter", ...) and the keys it names."""
+    low = message.lower()
+    keys = [k for phrase, k in _TORCH_PHRASES if phrase in low and k in params]
+    # only the user's own keys: a default (or the fused=True chosen here) is not their mistake
+    return keys + [k for k in params if k not in keys and re.search(rf"(?<![\w.]){re.escape(k.lower())}(?!\w)", low)]
+
+
+# torch's ValueError phrases (torch.optim.*) -> the key they are about
+_TORCH_PHRASES = (
+    ("learning rate", "lr"),
+    ("epsilon", "eps"),
+    ("beta parameter", "betas"),
+    ("eta values", "etas"),
+    ("nesterov momentum", "nesterov"),
+)
 
 
 def _one_line(e: BaseException) -> str:
@@ -179,6 +228,10 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
 
     defaults: Dict[str, Any] = {}
     if key in ("adam", "adamw"):
+        for flag in ("adam_w_mode", "torch_adam", "bias_correction"):
+            if flag in params and not isinstance(params[flag], bool):
+                raise ConfigError(f"optimizer.params.{flag} of {type_name!r} must be true or false, "
+                                  f"got {params[flag]!r}")
         adam_w_mode = params.pop("adam_w_mode", True)
         torch_adam = params.pop("torch_adam", False)
         for ignored in _IGNORED_KEYS["adam"]:
@@ -215,9 +268,10 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
                 f"accepted: {', '.join(compat.get(key, []) + accepted)}"
             )
     for k, v in list(params.items()):
-        if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes
-            params[k] = tuple(v)
-    _check_sequences(type_name, cls, params, defaults)
+        if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes; and [0, 0.999] has an int,
+            # where torch's Adam wants "both floats or both Tensors"
+            params[k] = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
+    _check_values(type_name, cls, params, defaults)
 
     kwargs = {**defaults, **params}
     groups = _materialize(param_groups)
@@ -231,6 +285,11 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
     try:
         optimizer = cls(groups, **kwargs)
     except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as e:
+        keys = _rejected_keys(str(e), params)
+        if keys:
+            named = ", ".join(f"optimizer.params.{k}={_shown(kwargs[k])!r}" for k in keys)
+            by = type_name if type_name.lower() == cls.__name__.lower() else f"{type_name} ({cls.__name__})"
+            raise ConfigError(f"{named} rejected by {by}: {_one_line(e)}") from e
         raise ConfigError(f"optimizer {type_name!r} rejected its params {params}: {_one_line(e)}") from e
     logger.debug("built %s with %s", cls.__name__, kwargs)
     return optimizer
