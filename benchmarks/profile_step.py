@@ -63,11 +63,11 @@ def _instrument_shardspeed() -> None:
     def make_pre(self, idx):
         h = orig_pre(self, idx)
 
-        def hook(m, a):
+        def hook(m, a, k):
             from torch.profiler import record_function
 
             with record_function("ss::pre_forward_hook"):
-                return h(m, a)
+                return h(m, a, k)
         return hook
 
     def make_post(self, idx):

@@ -161,8 +161,8 @@ def _load_optimizer(view: EngineView, meta: CheckpointMetadata, index: EntryInde
     for gi, g in zip(view.master.group_indices, opt.param_groups):
         ids = []
         for t in g["params"]:
-            pc = piece_of[id(t)]
-            if pc.name in present:
+            pc = piece_of.get(id(t))  # None: the empty placeholder of a group this rank owns nothing of
+            if pc is not None and pc.name in present:
                 st = _piece_state(pc, index, reader, view.spec(pc.name))
                 if st:
                     state[idx] = st

@@ -188,8 +188,9 @@ def build_engine(
     if stage == 3:
         units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank,
                                             placement=_shard_placement(zero.offload_param, topo.dp_rank))
-        reducer = GradientReducer(units, collectives, policy, max_in_flight=2,
-                                  on_unit_ready=manager.on_unit_grads_ready)
+        reducer = GradientReducer(units, collectives, policy, max_in_flight=1,
+                                  on_unit_ready=manager.on_unit_grads_ready,
+                                  first_order=manager.backward_order_guess)
     else:
         world = 1 if stage == 0 else topo.dp_size
         alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage

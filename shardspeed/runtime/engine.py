@@ -136,6 +136,11 @@ class Engine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self._p.zero_stage
 
+    @property
+    def param_manager(self):
+        """Stage 3's :class:`~shardspeed.zero.stage3.ParamManager` (its units, gather counts), else None."""
+        return self._p.param_manager
+
     def get_lr(self) -> List[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 

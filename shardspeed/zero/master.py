@@ -120,6 +120,12 @@ class MasterWeights:
                                               if not counts_in_norm(u.params[pc.param_index], model_rank)])
             for u in self.units
         ]
+        # every rank's optimizer has every group, so that its groups line up with the other ranks' (LR schedules,
+        # checkpoints): a group of which this rank owns no element (a LoRA adapter smaller than the world, or
+        # a rank with no trainable element at all) holds one empty placeholder tensor, which never has a grad
+        for gi in {group_of_param[id(u.params[pi])] for u in self.units for pi in u.grad_params
+                   if id(u.params[pi]) in group_of_param} - set(groups):
+            groups[gi] = [torch.zeros(0, dtype=torch.float32, device=self.units[0].device)]
         self.group_indices = sorted(groups)
         self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
 

@@ -66,21 +66,47 @@ class ReducePolicy:
 
 
 class _UnitGrads:
-    """Gradient buffers and progress of one unit within the current backward."""
+    """Gradient buffers and progress of one unit within the current backward.
 
-    __slots__ = ("unit", "bucket", "result", "ready", "launched", "dirty", "handle", "wire")
+    Arrivals are counted per parameter: a parameter's gradient hook fires once per backward graph that uses
+    it, so a parameter used in several reentrant-checkpointed segments reports several times. The unit is
+    complete when every trainable parameter has arrived and, once learned from the first backward, as many
+    times as then (``expected``); a gradient that arrives after its unit was sent goes into a fresh bucket
+    and is reduced again at the end of the backward (reductions add up: every contribution counts once)."""
+
+    __slots__ = ("unit", "bucket", "sending", "result", "launched", "dirty", "handle", "wire", "counts", "seen",
+                 "arrivals", "expected", "round", "at_round", "round_tasks")
 
     def __init__(self, unit: FlatParamUnit):
         self.unit = unit
         self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype: local sums not yet reduced
+        self.sending: Optional[torch.Tensor] = None  # a bucket whose reduction is in flight
         # the reduced, averaged gradient since the last step: chunk-sized (every_micro_step policy), else the
         # full-size buffer a reduction left its result in (only this rank's chunk of it is meaningful)
         self.result: Optional[torch.Tensor] = None
-        self.ready = 0
         self.launched = False
         self.dirty = False  # the bucket holds gradients not reduced yet
         self.handle: Optional[CommHandle] = None
         self.wire: Optional[torch.Tensor] = None  # the tensor sent, when the wire dtype differs
+        self.counts = [0] * len(unit.params)  # arrivals per parameter in this backward
+        self.seen = 0  # trainable parameters arrived at least once
+        self.arrivals = 0
+        self.expected: Optional[int] = None  # arrivals in a whole backward, learned from the first one
+        self.round = 1  # stage 3 release tracking: arrivals of every parameter counted up to `round`
+        self.at_round = 0
+        self.round_tasks: set = set()  # autograd graph tasks the current round's arrivals came from
+
+    def reset(self) -> None:
+        self.launched = False
+        self.counts = [0] * len(self.unit.params)
+        self.seen = self.arrivals = self.at_round = 0
+        self.round = 1
+        self.round_tasks = set()
+
+    @property
+    def complete(self) -> bool:
+        """Every trainable parameter has arrived, as often as a whole backward brings them."""
+        return self.seen == len(self.unit.grad_params) and (self.expected is None or self.arrivals >= self.expected)
 
 
 def _completed(g: _UnitGrads) -> bool:
@@ -93,13 +119,16 @@ class GradientReducer:
     """Reduces unit gradients over the data-parallel group; drives itself from autograd's hooks."""
 
     def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
-                 max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None):
+                 max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
+                 first_order: Optional[Callable[[], Sequence[int]]] = None):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
         self.world = collectives.world
         self._grads = [_UnitGrads(u) for u in self.units]
-        # launch order: units with trainable parameters; re-learned from the first backward (see _learn_order)
+        # launch order: units with trainable parameters, in the units' order or as ``first_order()`` guesses a
+        # backward produces them (asked at the first backward); re-learned from it (see _learn_order)
+        self._first_order = first_order
         self._order: List[int] = [i for i, u in enumerate(self.units) if u.grad_params]
         self._order_learned = False
         self._completion: List[int] = []
@@ -136,14 +165,15 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         """At the first gradient of a backward: decide whether it reduces, and queue its end."""
         self._in_backward = True
+        if self._first_order is not None and not self._order_learned:  # the same guess on every rank
+            self._order = [i for i in self._first_order() if self.units[i].grad_params]
         self._reduce_now = self.policy.every_micro_step or bool(self._sync_policy())
         self._next_launch = 0
         self._pending_hooks = sum(len(u.grad_params) for u in self.units)
         self.launch_log.clear()
         self._completion.clear()
         for g in self._grads:
-            g.ready = 0
-            g.launched = False
+            g.reset()
         # runs when autograd's engine finishes this backward, whoever started it (FSDP2 does the same)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
@@ -183,21 +213,42 @@ class GradientReducer:
         g = self._absorb(param)
         if g is None:
             return
-        g.ready += 1
+        ui, pi = self._where[id(param)]
         self._pending_hooks -= 1
-        if g.ready == len(g.unit.grad_params):
-            ui = self._where[id(param)][0]
+        g.arrivals += 1
+        g.counts[pi] += 1
+        if g.counts[pi] == 1:
+            g.seen += 1
+        if self.on_unit_ready is not None:
+            self._track_release(ui, g, pi)
+        if not g.launched and g.complete:
             self._completion.append(ui)
-            if self.on_unit_ready is not None:
-                self.on_unit_ready(ui)
             if self._reduce_now:
                 self._launch_ready_prefix()
+
+    def _track_release(self, ui: int, g: _UnitGrads, pi: int) -> None:
+        """Stage 3: tell the parameter manager when autograd is done with a unit's parameters. That is when
+        each has arrived once more and all of those arrivals came from the graph now running (a reentrant
+        checkpoint's recomputed segment, or the whole backward): a parameter that arrived in an earlier
+        graph may still be used in this one. And in any case once the unit is complete."""
+        assert self.on_unit_ready is not None
+        g.round_tasks.add(torch._C._current_graph_task_id())
+        if g.counts[pi] == g.round:
+            g.at_round += 1
+        done = g.expected is not None and g.complete
+        if g.at_round == len(g.unit.grad_params):
+            done = done or len(g.round_tasks) == 1
+            g.round += 1
+            g.round_tasks = set()
+            g.at_round = sum(1 for i in g.unit.grad_params if g.counts[i] >= g.round)
+        if done:
+            self.on_unit_ready(ui)
 
     def _launch_ready_prefix(self) -> None:
         """Launch units in fixed order while the next one is complete (same order on every rank)."""
         while self._next_launch < len(self._order):
             g = self._grads[self._order[self._next_launch]]
-            if g.ready < len(g.unit.grad_params):
+            if not g.complete:
                 return
             self._launch(g)
             self._next_launch += 1
@@ -209,6 +260,7 @@ class GradientReducer:
         g.dirty = False
         self.launch_log.append((g.unit.index, self._pending_hooks))
         bucket = self._bucket(g)
+        g.bucket, g.sending = None, bucket  # later gradients go into a fresh bucket, never into this one
         pol = self.policy
         wire = bucket if pol.comm_dtype == bucket.dtype else bucket.to(pol.comm_dtype)
         if pol.predivide_factor != 1.0:
@@ -228,13 +280,13 @@ class GradientReducer:
 
     def _complete(self, g: _UnitGrads) -> None:
         """Wait for one unit's reduction and average it into where the optimizer reads it."""
-        assert g.handle is not None and g.wire is not None and g.bucket is not None
+        assert g.handle is not None and g.wire is not None and g.sending is not None
         g.handle.wait()
         g.handle = None
         post = float(self.world) / self.policy.predivide_factor
         lo, hi = g.unit.layout.chunk_range(g.unit.rank)
         reduced = g.wire[lo:hi]  # all-reduce: every rank has the sum, this rank keeps its chunk
-        bucket, g.bucket, g.wire = g.bucket, None, None
+        bucket, g.sending, g.wire = g.sending, None, None
         if self.policy.every_micro_step:  # stages 2-3: a chunk-sized result; full-size buckets are not kept
             if g.result is None:
                 g.result = torch.zeros(hi - lo, dtype=self.policy.accum_dtype, device=g.unit.device)
@@ -249,12 +301,22 @@ class GradientReducer:
             g.result[lo:hi].add_(reduced, alpha=1.0 / post)
 
     def _launch_all_and_wait(self) -> None:
+        """Launch, in the fixed order, every unit not sent yet, then every unit that received gradients after
+        it was sent (the same units on every rank: they ran the same graph), and wait for all of them."""
         for ui in self._order[self._next_launch :]:
             self._launch(self._grads[ui])
         self._next_launch = len(self._order)
+        self._wait_in_flight()
+        late = [self._grads[ui] for ui in self._order if self._grads[ui].dirty]
+        for g in late:
+            g.launched = False
+            self._launch(g)
+        self._wait_in_flight()
+        self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
+
+    def _wait_in_flight(self) -> None:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
-        self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
 
     def finish_backward(self) -> None:
         """End of a backward (autograd's final callback): launch what is left in order, wait for every
@@ -262,6 +324,9 @@ class GradientReducer:
         if not self._in_backward:
             return
         self._in_backward = False
+        for g in self._grads:  # how many arrivals a whole backward brings (more than one per parameter under
+            if g.expected is None and g.seen == len(g.unit.grad_params):  # reentrant checkpointing)
+                g.expected = g.arrivals
         if self._reduce_now:
             with self.epilogue_timer():
                 self._launch_all_and_wait()
@@ -334,7 +399,7 @@ class GradientReducer:
         """Bytes of gradient storage held now (buckets and results)."""
         total = sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
         for g in self._grads:
-            for t in (g.bucket, g.result):
+            for t in (g.bucket, g.sending, g.result):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total

@@ -5,8 +5,15 @@
 - :class:`ParamManager` registers forward pre/post hooks on each unit's module (and on any other module
   that directly holds one of its parameters, e.g. a tied LM head) that gather and release the unit
   (reference-counted), and a gradient hook on those modules' outputs that re-gathers the unit before its
-  backward. A unit is released in backward once all of its gradients have arrived (then its gradients
-  are reduce-scattered by the :class:`~.reducer.GradientReducer`).
+  backward. Correctness does not depend on which module's forward runs: every module holding a unit's
+  parameter has its reads watched (:mod:`.hooks`), and a released parameter read during a forward or a
+  backward is gathered first; in a forward its unit joins the innermost running hooked module's units, so
+  from the next forward on it is gathered (and prefetched) with them.
+- A unit is released in backward once autograd is done with it: a unit of trainable parameters when all
+  of its gradients have arrived (the reducer says so, then reduce-scatters them: see
+  :class:`~.reducer.GradientReducer`), a unit of frozen parameters (units never mix the two) when the
+  backward of every forward call of its modules has computed their inputs' gradients (a post-backward
+  hook), or at the end of the backward.
 - Prefetch: the order units are gathered in is recorded per phase on the first step and replayed: when a
   unit is needed, the following units (up to ``prefetch_bucket_size`` elements) are all-gathered
   asynchronously.
@@ -27,9 +34,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..dist.comms import Collectives
 from ..errors import CheckpointError, DistributedError
+from .hooks import register_post_backward, watch_parameter_reads
 from .placement import DevicePlacement, ShardPlacement
 from .unit import ShardedParamUnit, UnitState
 
@@ -42,7 +51,11 @@ def _numel(p: torch.Tensor) -> int:
     return info.numel if info is not None else p.numel()
 
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but are never called themselves
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+#: units all-gathered ahead of their use at most: with one collective stream, a deeper window overlaps no
+#: more communication, it only holds more gathered parameters (DeepSpeed's default 5e7-element prefetch
+#: bucket would otherwise keep several transformer blocks gathered)
+PREFETCH_UNITS = 1  # hold modules but are never called themselves
 
 
 def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
@@ -110,40 +123,46 @@ class ParamManager:
         self._in_backward = False
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
-        self._hooks = []
+        self._hooks: list = []
         self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
         self._root = root
         self._fwd_uses: List[int] = []  # unit uses in order (with repeats) of the first training forward
         self._recording_uses = True
+        self._replan = False  # a forward found a unit read outside the modules that gather it: trace again
         self._uses_seen = 0
         self.gather_count = 0
+        self.read_gathers = 0  # gathers started by a parameter read (a unit its hooks did not gather)
         self._owners = list(owners)
-        unit_of: Dict[int, ShardedParamUnit] = {}
-        for u in self.units:
-            for p in u.params:
-                unit_of[id(p)] = u
-        # which units each hooked module needs: its unit's own module, plus modules holding a unit's
-        # parameter directly (tied weights used from another module)
-        needs: Dict[nn.Module, List[int]] = {}
+        self._stack: List[nn.Module] = []  # hooked modules whose (non-recompute) forward is running
+        # frozen units (no trainable parameter: no gradient says when autograd is done with them) are
+        # released by their modules' post-backward; forward calls whose post-backward is still to come
+        self._frozen = {u.index for u in self.units if not u.grad_params}
+        self._bwd_pending: Dict[int, int] = {i: 0 for i in self._frozen}
+        self._needs = self._modules_needing_units(root, owners)
+        self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
+        for m, idx in self._needs.items():
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx), with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
+        for m in _holders(root, self.units):
+            self._hooks.append(_Undo(watch_parameter_reads(m, self._on_read)))
+        self._hooks.append(root.register_state_dict_post_hook(_warn_sharded_state_dict))
+
+    def _modules_needing_units(self, root: nn.Module, owners: Sequence[nn.Module]) -> Dict[nn.Module, List[int]]:
+        """Which units each hooked module gathers: its own units, the units of parameters it holds directly
+        from elsewhere (a tied LM head), and none for the root (hooked to track the forward). A read of a
+        released parameter during a forward adds its unit to the innermost running module's list."""
+        unit_of = {id(p): u.index for u in self.units for p in u.params}
+        needs: Dict[nn.Module, List[int]] = {root: []}
         for u, m in zip(self.units, owners):
             needs.setdefault(m, []).append(u.index)
-        root_of_unit = {u.index: m for u, m in zip(self.units, owners)}
         for m in root.modules():
             for mp in m._parameters.values():
-                if mp is None or id(mp) not in unit_of:
+                i = unit_of.get(id(mp)) if mp is not None else None
+                if i is None or _within(m, owners[i]):
                     continue
-                u = unit_of[id(mp)]
-                owner = root_of_unit[u.index]
-                if _within(m, owner):
-                    continue
-                if u.index not in needs.setdefault(m, []):
-                    needs[m].append(u.index)
-        self._needs = needs
-        self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
-        for m, idx in needs.items():
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx)))
-            self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
-        self._hooks.append(root.register_state_dict_post_hook(_warn_sharded_state_dict))
+                if i not in needs.setdefault(m, []):
+                    needs[m].append(i)
+        return needs
 
     # ---- gather / release ------------------------------------------------------------------------
     def _gather(self, index: int) -> None:
@@ -153,17 +172,25 @@ class ParamManager:
             tr.append(index)
         start = [] if u.state is UnitState.GATHERED or u.gathering else [index]
         start += self._prefetch_plan(index, start)
-        if start:
-            self._agree(start, index)
-        for i in start:
-            self.units[i].start_gather(self.comm)
-            self.gather_count += 1
-        if u.state is not UnitState.GATHERED:
-            u.finish_gather()
+        if not start and u.state is UnitState.GATHERED:
+            return
+        # how many gathers (and their small tensors) a hook issues depends on what is gathered already, which
+        # differs between a forward and its recompute: keep them out of any dispatch mode (torch's selective
+        # activation checkpointing counts the ops it sees and requires the recompute to repeat them)
+        with _disable_current_modes():
+            if start:
+                self._agree(start, index)
+            for i in start:
+                self.units[i].start_gather(self.comm)
+                self.gather_count += 1
+            if u.state is not UnitState.GATHERED:
+                u.finish_gather()
 
     def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
-        """The units to all-gather ahead of use after ``index``, from the traced order (within the prefetch
-        budget and ``stage3_max_live_parameters``, counting ``starting`` as live)."""
+        """The units to all-gather ahead of use after ``index``, from the traced order: the window ahead of
+        ``index`` holds at most ``PREFETCH_UNITS`` units and ``prefetch_bucket_size`` elements, units already
+        gathered ahead counting in it (the bucket is one fixed buffer, as DeepSpeed's), and stays within
+        ``stage3_max_live_parameters`` (``starting`` counted as live)."""
         order = self._trace.get(self._phase)
         if not order or self.prefetch_numel <= 0:
             return []
@@ -176,14 +203,18 @@ class ParamManager:
         live += sum(self.units[i].numel for i in starting)
         budget = min(self.prefetch_numel, self.max_live_numel - live)  # stage3_max_live_parameters
         plan: List[int] = []
+        ahead = 0
         for nxt in order[pos + 1 :]:
             u = self.units[nxt]
-            if u.state is UnitState.GATHERED or u.gathering or nxt in starting or nxt in plan:
-                continue
-            if u.numel > budget:
+            held = u.state is UnitState.GATHERED or u.gathering
+            if nxt in starting or nxt in plan or (held and nxt in self.persistent):
+                continue  # a persistent unit once gathered stays: not part of the window
+            if ahead >= PREFETCH_UNITS or u.numel > budget:
                 break
             budget -= u.numel
-            plan.append(nxt)
+            ahead += 1
+            if not held:
+                plan.append(nxt)
         return plan
 
     def _agree(self, starting: List[int], needed: int) -> None:
@@ -217,6 +248,13 @@ class ParamManager:
                 return f"module '{name}'" if name else "the root module"
         return type(owner).__name__
 
+    def backward_order_guess(self) -> List[int]:
+        """The order a backward will likely finish units in, before one has: the reverse of the last forward's
+        first uses (a unit is done when the backward reaches its first use), then the units not used."""
+        used = list(reversed(self._tracing.get("forward") or self._trace.get("forward", [])))
+        seen = set(used)
+        return used + [i for i in range(len(self.units) - 1, -1, -1) if i not in seen]
+
     def _release(self, index: int) -> None:
         if index in self.persistent or index in self._keep:
             return
@@ -239,16 +277,25 @@ class ParamManager:
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _make_pre_forward(self, indices: List[int]):
-        def hook(module, args):
+        """``indices`` is the module's list in ``_needs`` (read at each call: reads may add to it)."""
+        def hook(module, args, kwargs):
             if _recomputing():
-                self._pre_recompute(indices)
-                return
+                return self._pre_recompute(module, indices, args, kwargs)
+            self._stack.append(module)
             for i in indices:
                 self._refs[i] += 1
                 self._uses_seen += 1
                 if self._recording_uses:
                     self._fwd_uses.append(i)
                 self._gather(i)
+            if torch.is_grad_enabled() and any(i in self._frozen for i in indices):
+                wrapped, args, kwargs = register_post_backward(args, kwargs, lambda: self._post_backward(indices))
+                if wrapped:
+                    for i in indices:
+                        if i in self._frozen:
+                            self._bwd_pending[i] += 1
+                    return args, kwargs
+            return None
 
         return hook
 
@@ -265,11 +312,13 @@ class ParamManager:
         def hook(module, args, output):
             if _recomputing():
                 return output  # the unit stays gathered for the backward that follows (released by it)
+            if self._stack and self._stack[-1] is module:
+                self._stack.pop()
             for i in indices:
                 self._refs[i] -= 1
                 if self._refs[i] == 0 and not self._needed_again_soon(i, module):
                     self._release(i)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and indices:
                 tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
@@ -279,16 +328,46 @@ class ParamManager:
 
         return hook
 
-    def _pre_recompute(self, indices: List[int]) -> None:
+    def _on_read(self, param: nn.Parameter) -> None:
+        """A released parameter is read (``module.weight``). In a forward, its unit joins the innermost running
+        hooked module's units (that module gathers it from now on, before its forward and its backward, and
+        releases it after); in a backward (a recompute, a custom backward) it is gathered and released as the
+        backward's units are. Outside both it stays a placeholder: a read there is not collective (use
+        GatheredParameters)."""
+        tag = getattr(param, "_shardspeed_unit", None)
+        if tag is None or tag[2] is not self:
+            return
+        index = tag[0].index
+        if self._stack and not _recomputing():
+            needs = self._needs[self._stack[-1]]
+            if index not in needs:
+                needs.append(index)
+                self._refs[index] += 1  # dropped by that module's post-forward, as its other units' are
+                self._replan = True  # this forward's traces miss the new use: record them again
+            self.read_gathers += 1
+            self._gather(index)
+        elif self._in_backward or _recomputing():
+            if not self._in_backward:
+                self.begin_backward()
+            self.read_gathers += 1
+            self._gather(index)
+
+    def _pre_recompute(self, module: nn.Module, indices: List[int], args, kwargs):
         """A forward hook inside a backward: activation checkpointing recomputes the module. Gather what is not
         gathered yet (the unit's pre-backward hook usually did) and count nothing: the recompute is not a use
         of the forward's plan, holds no reference, and may stop before the module's end (torch's early stop),
         so its post-forward hook may never run. The unit is released as in any backward, once its gradients
-        are in (or at the end of the backward)."""
+        are in (or at the end of the backward); frozen units when the recomputed module's inputs have their
+        gradients (reentrant checkpointing runs the recomputed graph's own backward)."""
         if not self._in_backward:
             self.begin_backward()
         for i in indices:
             self._gather(i)
+        if torch.is_grad_enabled() and any(i in self._frozen for i in indices):
+            wrapped, args, kwargs = register_post_backward(args, kwargs, lambda: self._post_backward(indices))
+            if wrapped:
+                return args, kwargs
+        return None
 
     def _pre_backward(self, indices: List[int]) -> None:
         if not self._in_backward:
@@ -297,8 +376,20 @@ class ParamManager:
             if i not in self._grad_done:
                 self._gather(i)
 
+    def _post_backward(self, indices: List[int]) -> None:
+        """The gradients of a module's inputs are computed: its frozen units are not needed by this call's
+        backward. Released once every forward call that registered a post-backward has had it (a call from a
+        recompute registers none: its forward call's post-backward counted, or never ran with grad)."""
+        for i in indices:
+            if i not in self._frozen:
+                continue
+            if self._bwd_pending[i] > 0:
+                self._bwd_pending[i] -= 1
+            if self._bwd_pending[i] == 0 and self._refs[i] == 0:
+                self._release(i)
+
     def on_unit_grads_ready(self, index: int) -> None:
-        """Called by the reducer when a unit's gradients are all in: it is not needed in this backward."""
+        """Called by the reducer when autograd is done with a unit in this backward (its gradients are in)."""
         self._grad_done.add(index)
         self._release(index)
 
@@ -308,6 +399,12 @@ class ParamManager:
         self._phase = "forward"
         self._pos["forward"] = 0
         self._uses_seen = 0
+        self._stack.clear()  # a forward that raised left its modules on the stack
+        if self._replan:  # the last forward read units its modules did not gather: trace this one afresh
+            self._replan = False
+            self._trace.pop("forward", None)
+            self._tracing["forward"] = []
+            self._fwd_uses, self._recording_uses = [], True
 
     def begin_backward(self) -> None:
         """The first unit of a backward is needed: queue this backward's end on autograd's engine."""
@@ -326,6 +423,8 @@ class ParamManager:
                 u.finish_gather()
             if self._refs[u.index] == 0:
                 self._release(u.index)
+        for i in self._bwd_pending:  # calls whose post-backward did not run (their inputs' gradients unused)
+            self._bwd_pending[i] = 0
         for phase, tr in list(self._tracing.items()):
             if tr and phase not in self._trace:
                 self._trace[phase] = list(tr)
@@ -374,6 +473,19 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _Undo:
+    """A callable undo with the ``remove()`` of torch's hook handles."""
+
+    def __init__(self, undo: Callable[[], None]):
+        self.remove = undo
+
+
+def _holders(root: nn.Module, units: Sequence[ShardedParamUnit]) -> List[nn.Module]:
+    """The modules whose own ``_parameters`` hold a parameter of one of ``units``."""
+    mine = {id(p) for u in units for p in u.params}
+    return [m for m in root.modules() if any(p is not None and id(p) in mine for p in m._parameters.values())]
+
+
 def _within(module: nn.Module, ancestor: nn.Module) -> bool:
     """``module`` is ``ancestor`` or one of its submodules."""
     return any(module is d for d in ancestor.modules())
@@ -406,10 +518,13 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
     units: List[ShardedParamUnit] = []
     owners: List[nn.Module] = []
     for owner, params in selected:
-        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        # one flat buffer has one dtype; frozen and trainable parameters apart, so that every rank owns its
+        # share of the trainable elements (a LoRA adapter after its frozen base weight would otherwise sit on
+        # the last rank) and autograd's use of frozen weights is tracked on its own (see _post_backward)
+        by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for plist in by_dtype.values():
+            by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
+        for plist in by_kind.values():
             units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
                                           group=collectives.group, placement=placement()))
             owners.append(owner)
