@@ -1,6 +1,8 @@
 """Issue 9, part 3: stage-3 memory per rank beside FSDP2 (does stage 3 free what it gathers?).
 
-    python benchmarks/bench_stage3_memory.py            # GPT 112.6M, world 4, fp32, 2 steps: ~3-5 min here
+    python benchmarks/bench_stage3_memory.py            # GPT 112.6M, world 4, fp32, 2 steps: ~4-6 min here
+                                                        # (fsdp2, ss3 at the suite's 2M buckets, ss3-dsb at
+                                                        # DeepSpeed's default bucket sizes)
     python benchmarks/bench_stage3_memory.py --quick    # GPT 4.2M, world 2: well under a minute
     python benchmarks/bench_stage3_memory.py --systems ddp,fsdp2,ss3    # DDP too (16Ψ per rank: ~1.8 GB each)
 
@@ -347,7 +349,8 @@ def table(rows: dict[str, dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small GPT (gpt-quick, 4.2M), world 2")
-    ap.add_argument("--systems", default="fsdp2,ss3", help="from ddp, fsdp2, ss3 (also ss0-ss2, ds0-ds3)")
+    ap.add_argument("--systems", default="fsdp2,ss3,ss3-dsb",
+                    help="from ddp, fsdp2, ss3 (also ss0-ss2, ds0-ds3; -dsb: DeepSpeed's default buckets)")
     ap.add_argument("--model", default=None, help=f"default gpt-113m (--quick: gpt-quick); from {sorted(MODELS)}")
     ap.add_argument("--world", type=int, default=None, help="default 4 (--quick: 2)")
     ap.add_argument("--steps", type=int, default=2)
