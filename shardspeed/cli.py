@@ -24,12 +24,17 @@ from typing import Sequence
 
 _RUN_USAGE = """\
 usage: shardspeed run [--nproc N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
-                      [--rdzv-endpoint H:P] [--max-restarts K] [other torchrun options]
+                      [--rdzv-endpoint H:P] [--max-restarts K] [--full-tracebacks] [other torchrun options]
                       [--] script.py [script args ...]
 
 Launch script.py on N processes per node with torchrun (torch.distributed.run). Any torchrun option
 is accepted before the script; everything after the script goes to the script. On a single node with
 no --master-addr/--master-port/--rdzv-endpoint, --standalone is added (a free port is chosen).
+
+A shardspeed error (ConfigError, ...) that stops the workers is printed once per distinct message, with
+the number of ranks that raised it, and the tracebacks go to a log file whose path is printed; other
+exceptions print their tracebacks as usual. --full-tracebacks (or SHARDSPEED_TRACEBACK=1): every rank
+prints its own traceback, as under torchrun.
 """
 
 # Options that mean the user chose the rendezvous themselves: then --standalone is not added.
@@ -267,22 +272,136 @@ def _cmd_run(argv: Sequence[str]) -> int:
         return 0
     try:
         opts, argv = _take_options(argv, ("--model", "--seq-len"))
+        full_tracebacks, argv = _take_flag(argv, "--full-tracebacks")
         torchrun_argv = build_torchrun_argv(argv)
     except UsageError as e:
         print(f"shardspeed run: error: {e}", file=sys.stderr)
         return 2
+    full_tracebacks = full_tracebacks or os.environ.get("SHARDSPEED_TRACEBACK", "") not in ("", "0")
+    _isolate_restarts(torchrun_argv)
+    return _launch(torchrun_argv, full_tracebacks)
+
+
+def _take_flag(argv: Sequence[str], flag: str) -> tuple[bool, list[str]]:
+    """Our own flag ``flag`` (before the script, among torchrun's options) taken out of the arguments."""
+    args, i, found = list(argv), 0, False
+    arity = {**_torchrun_option_arity(), "--nproc": 1}
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        name, eq, _ = args[i].partition("=")
+        if name == flag:
+            if eq:
+                raise UsageError(f"{flag} takes no value")
+            args.pop(i)
+            found = True
+            continue
+        i += 1 if eq or arity.get(name, 0) == 0 else 2
+    return found, args
+
+
+def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
+    """torchrun's argv with the script run by :mod:`shardspeed.bootstrap` (which records a ShardspeedError
+    instead of printing it), or None where it cannot be: ``--no-python`` (the script is a program) and
+    ``--run-path`` (torchrun runs it in its own interpreter). torchrun's ``-m`` becomes the bootstrap's."""
+    from . import bootstrap
+
+    arity, head, i = _torchrun_option_arity(), [], 0
+    args = list(torchrun_argv)
+    module = False
+    while i < len(args) and args[i].startswith("-"):
+        name, eq, _ = args[i].partition("=")
+        canon = _canonical(name)
+        if canon in ("--no-python", "--run-path"):
+            return None
+        if canon == "--module" or name == "-m":
+            module = True
+            i += 1
+            continue
+        n = 1 if eq or arity.get(name, 0) == 0 else 2
+        head += args[i:i + n]
+        i += n
+    if i >= len(args):
+        return None
+    script = os.path.realpath(bootstrap.__file__)
+    return [*head, script, *(["--module"] if module else []), *args[i:]]
+
+
+def _script_name(torchrun_argv: Sequence[str]) -> str:
+    arity, i = _torchrun_option_arity(), 0
+    while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):
+        name, eq, _ = torchrun_argv[i].partition("=")
+        i += 1 if eq or arity.get(name, 0) == 0 else 2
+    return torchrun_argv[i] if i < len(torchrun_argv) else "?"
+
+
+def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
+    """Run torchrun; print a ShardspeedError the workers raised once per distinct (type, message), with the
+    ranks it was raised on, and its tracebacks into a log file (see :mod:`shardspeed.bootstrap`)."""
+    import logging
+    import shutil
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    _isolate_restarts(torchrun_argv)
+    from . import bootstrap
 
+    script = _script_name(torchrun_argv)
+    wrapped = None if full_tracebacks else _wrap_in_bootstrap(torchrun_argv)
+    if wrapped is None:  # as torchrun alone: every rank prints its own traceback
+        try:
+            torchrun_main(list(torchrun_argv))
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values() if f.exitcode]
+            print(f"shardspeed run: {script} failed (exit codes {codes or '?'})", file=sys.stderr)
+            return next((c for c in codes if c > 0), 1)
+        return 0
+
+    error_dir = tempfile.mkdtemp(prefix="shardspeed-run-")
+    log_path = os.path.join(error_dir, bootstrap.TRACEBACK_LOG)
+    saved_env = os.environ.get(bootstrap.ERROR_DIR_ENV)
+    os.environ[bootstrap.ERROR_DIR_ENV] = error_dir  # the workers inherit the launcher's environment
+    quiet = bootstrap.SuppressReported(error_dir)
+    torchrun_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    torchrun_log.addFilter(quiet)
+    failure: ChildFailedError | None = None
     try:
-        torchrun_main(torchrun_argv)
+        torchrun_main(wrapped)
     except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values() if f.exitcode]
-        print(f"shardspeed run: {e.name} failed (exit codes {codes or '?'})", file=sys.stderr)
-        return next((c for c in codes if c > 0), 1)
-    return 0
+        failure = e
+    finally:
+        torchrun_log.removeFilter(quiet)
+        if saved_env is None:
+            os.environ.pop(bootstrap.ERROR_DIR_ENV, None)
+        else:
+            os.environ[bootstrap.ERROR_DIR_ENV] = saved_env
+
+    records = bootstrap.read_records(error_dir)
+    if not records:
+        shutil.rmtree(error_dir, ignore_errors=True)
+    else:
+        bootstrap.write_traceback_log(records, log_path, quiet.dropped)
+    if failure is None:
+        if records:  # an earlier attempt failed with a shardspeed error, the restarted one finished
+            for line in bootstrap.summary_lines(records):
+                print(f"{line} (the run restarted and finished)", file=sys.stderr)
+            print(f"shardspeed: tracebacks in {log_path}", file=sys.stderr)
+        return 0
+
+    codes = [f.exitcode for f in failure.failures.values() if f.exitcode]
+    reported = {r.pid for r in bootstrap.latest_attempt(records)}
+    for line in bootstrap.summary_lines(records):
+        print(line, file=sys.stderr)
+    if records:
+        print(f"shardspeed: tracebacks in {log_path} (--full-tracebacks or SHARDSPEED_TRACEBACK=1 shows them)",
+              file=sys.stderr)
+    # workers that failed for another reason (their tracebacks are above); those stopped by torchrun
+    # (negative codes) after a reported error are no news
+    others = {rank: f.exitcode for rank, f in failure.failures.items() if f.pid not in reported
+              and (f.exitcode > 0 or not records)}
+    if others or not records:
+        shown = sorted(others.values()) if records else codes
+        print(f"shardspeed run: {script} failed (exit codes {shown or '?'})", file=sys.stderr)
+    return next((c for c in codes if c > 0), 1)
 
 
 def _version(dist: str) -> str:

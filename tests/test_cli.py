@@ -200,3 +200,121 @@ def test_run_autotuning_run_trains_with_the_optimal_command(tmp_path, monkeypatc
     assert seen["tuner"] == ("train.py", ["--deepspeed_config", str(cfg)], 2)
     assert cli.main(["autotune", "--seq-len", "x", "train.py", "--deepspeed_config", str(cfg)]) == 2
     assert "--seq-len must be a positive number" in capsys.readouterr().err
+
+
+# ---- run: one line per distinct shardspeed error (issue 21), the bootstrap and the summary
+
+def test_run_wraps_the_script_in_the_bootstrap():
+    import os
+
+    from shardspeed import bootstrap
+    from shardspeed.cli import _wrap_in_bootstrap
+
+    boot = os.path.realpath(bootstrap.__file__)
+    argv = build_torchrun_argv(["--nproc", "2", "--max-restarts", "1", "t.py", "-m", "x"])
+    assert _wrap_in_bootstrap(argv) == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                        boot, "t.py", "-m", "x"]
+    # torchrun's -m becomes the bootstrap's --module; --no-python and --run-path are left to torchrun
+    assert _wrap_in_bootstrap(build_torchrun_argv(["-m", "pkg.train", "--lr", "1"])) == [
+        "--standalone", boot, "--module", "pkg.train", "--lr", "1"]
+    assert _wrap_in_bootstrap(build_torchrun_argv(["--no-python", "train.sh"])) is None
+    assert _wrap_in_bootstrap(build_torchrun_argv(["--run-path", "t.py"])) is None
+
+
+def _record(rank, type_="ConfigError", message="bad", attempt=0, world=2, local_world=2):
+    from shardspeed.bootstrap import ErrorRecord
+
+    return ErrorRecord(type=type_, module="shardspeed.errors", message=message, traceback="Traceback ...\n",
+                       rank=rank, local_rank=rank % local_world, world_size=world, local_world_size=local_world,
+                       attempt=attempt, pid=1000 + rank)
+
+
+def test_summary_groups_identical_errors_and_names_the_ranks_of_the_others():
+    from shardspeed.bootstrap import summary_lines
+
+    assert summary_lines([_record(0), _record(1)]) == ["shardspeed: ConfigError on 2 of 2 ranks: bad"]
+    lines = summary_lines([_record(r, world=4, local_world=4) for r in (0, 1, 2)]
+                          + [_record(3, "DistributedError", "peer gone", world=4, local_world=4)])
+    assert lines == ["shardspeed: ConfigError on 3 of 4 ranks (ranks 0-2): bad",
+                     "shardspeed: DistributedError on 1 of 4 ranks (rank 3): peer gone"]
+    # only the last attempt is summed up; the same error in every attempt says so
+    again = [_record(0), _record(1), _record(0, attempt=1), _record(1, attempt=1)]
+    assert summary_lines(again) == ["shardspeed: ConfigError on 2 of 2 ranks (in all 2 attempts): bad"]
+    # one node of several: the count is of this node's ranks
+    assert summary_lines([_record(2, world=4), _record(3, world=4)]) == [
+        "shardspeed: ConfigError on 2 of 2 ranks on this node (ranks 2-3): bad"]
+
+
+_BAD_CONFIG_SCRIPT = """\
+import os
+import sys
+import time
+
+import torch
+
+import shardspeed
+
+mode = sys.argv[1]
+rank = int(os.environ["RANK"])
+if mode == "mixed" and rank == 1:
+    # once rank 0 has recorded its ConfigError (else torchrun may stop rank 0 before it gets there)
+    shardspeed.init_distributed()
+    while not os.path.exists(os.path.join(os.environ["SHARDSPEED_ERROR_DIR"], "attempt0-rank0.json")):
+        time.sleep(0.05)
+    raise KeyError("not a shardspeed error")
+model = torch.nn.Linear(2, 2)
+config = {"train_batch_size": 2, "zero_optimization": {"stag": 2}}  # a misspelt key
+shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+"""
+
+
+def _run_cli(tmp_path, *args, env=None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "bad_config.py"
+    script.write_text(_BAD_CONFIG_SCRIPT)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    full_env.pop("SHARDSPEED_TRACEBACK", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "shardspeed.cli", "run", *args[:-1], str(script), args[-1]],
+                          cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def test_run_prints_a_config_error_raised_on_every_rank_once(tmp_path):
+    proc = _run_cli(tmp_path, "--nproc", "2", "same")
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    lines = [ln for ln in err.splitlines() if "ConfigError" in ln]
+    assert lines == ["shardspeed: ConfigError on 2 of 2 ranks: unknown key 'zero_optimization.stag'; "
+                     "did you mean 'stage'?"], err
+    assert "Traceback" not in err and "Traceback" not in proc.stdout, err
+    assert "failed (exitcode" not in err and "ChildFailedError" not in err, err  # torchrun's summary
+    # the next line: where the tracebacks are
+    after = err.splitlines()[err.splitlines().index(lines[0]) + 1]
+    assert after.startswith("shardspeed: tracebacks in "), err
+    log = after.split("tracebacks in ", 1)[1].split(" ")[0]
+    text = open(log).read()
+    assert text.count("Traceback (most recent call last)") == 2 and "---- rank 0" in text and "---- rank 1" in text
+    assert "shardspeed.errors.ConfigError: unknown key 'zero_optimization.stag'" in text
+    assert 'bad_config.py", line 19, in <module>' in text and "runpy" not in text and "bootstrap" not in text
+
+
+def test_run_full_tracebacks_and_other_exceptions(tmp_path):
+    # SHARDSPEED_TRACEBACK=1 (or --full-tracebacks): every rank prints its traceback, as under torchrun
+    proc = _run_cli(tmp_path, "--nproc", "2", "same", env={"SHARDSPEED_TRACEBACK": "1"})
+    assert proc.returncode == 1
+    assert proc.stderr.count("ConfigError: unknown key 'zero_optimization.stag'") == 2, proc.stderr
+    assert "shardspeed: ConfigError on" not in proc.stderr
+    # a rank's non-shardspeed exception keeps its traceback (without the bootstrap's frames); the other
+    # rank's ConfigError is one line naming its rank
+    proc = _run_cli(tmp_path, "--nproc", "2", "mixed")
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    assert "shardspeed: ConfigError on 1 of 2 ranks (rank 0): unknown key 'zero_optimization.stag'" in err, err
+    assert err.count("Traceback (most recent call last)") == 1 and "KeyError: 'not a shardspeed error'" in err, err
+    assert "bootstrap.py" not in err and "runpy" not in err, err
