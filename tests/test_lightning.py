@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("lightning", reason="lightning is not installed (pip install 'shardspeed[lightning]')")
+pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[lightning]')")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "lightning_fit.py")

@@ -40,8 +40,8 @@ try:
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "shardspeed.integrations.lightning needs Lightning: pip install 'shardspeed[lightning]' "
-        "(or pip install 'lightning>=2.6')"
+        "shardspeed.integrations.lightning needs Lightning: pip install 'lightning>=2.6' "
+        "(or pip install -e '.[lightning]' in the shardspeed checkout)"
     ) from exc
 
 from ..errors import CheckpointError, ConfigError

@@ -92,7 +92,7 @@ def plot_run(run_dir: str, out: Optional[str] = None) -> str:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotError("shardspeed plot needs matplotlib: pip install matplotlib (or shardspeed[bench])") from None
+        raise PlotError("shardspeed plot needs matplotlib: pip install matplotlib") from None
     out = out or os.path.join(job_dir, "training.png")
     fig = Figure(figsize=(8, 9), layout="constrained")
     axes = fig.subplots(3, 1, sharex=True)
