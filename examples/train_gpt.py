@@ -52,6 +52,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardspeed.data import DEFAULT_MAX_BYTES, build_text_datasets  # noqa: E402
+from shardspeed.dist.init import shutdown_distributed  # noqa: E402
 from shardspeed.models import GPT, PRESETS, GPTConfig  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "zero2.json"
@@ -323,9 +324,11 @@ def main(argv=None) -> int:
                 json.dump({"steps": args.steps, "start_step": start_step, "restart_count": restart_count,
                            "losses": {str(k): v for k, v in losses.items()}, "val_loss": val_loss,
                            "weights_sha256": digest}, f, indent=1)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    # every rank, after its last collective: a barrier, then the groups destroyed with rank 0 (the host of
+    # torchrun's store under --max-restarts) leaving last. A bare barrier + destroy_process_group lets a
+    # rank exit while a slower one still talks to it, and a worker that fails there makes torchrun
+    # restart a job that had finished.
+    shutdown_distributed()
     return 0
 
 

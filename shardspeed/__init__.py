@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Tuple
 
 from . import checkpointing, comm, zero
-from .dist.init import init_distributed
+from .dist.init import init_distributed, shutdown_distributed
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
 from .parallel.tp.setup import tp_model_init
 
@@ -52,6 +52,6 @@ def initialize(
 
 
 __all__ = [
-    "initialize", "init_distributed", "ShardspeedError", "ConfigError", "DistributedError", "CheckpointError",
-    "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
+    "initialize", "init_distributed", "shutdown_distributed", "ShardspeedError", "ConfigError", "DistributedError",
+    "CheckpointError", "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
 ]

@@ -11,6 +11,11 @@ expected failure for now, see the parameter).
 Fp32 ZeRO-2 (examples/configs/zero2.json), the tiny GPT on 50 kB of text, 32-byte windows: each run takes
 a few seconds of training; most of the time is starting processes. A run that hangs is killed after
 ``TIMEOUT`` seconds and the test fails with its output.
+
+Every run's output (the launcher's and the workers' stdout and stderr, in one stream) is kept in
+``<tmp_path>/<name>.log`` and printed in the failure message when a run fails, hangs, or (the run without
+the fault) shows any restart: a fault-free run under ``--max-restarts`` must never be restarted, which
+needs a teardown no worker can fail in (``shardspeed.shutdown_distributed`` at the example's end).
 """
 from __future__ import annotations
 
@@ -61,20 +66,43 @@ def _train(tmp_path: Path, name: str, *extra: str) -> tuple[str, dict, Path]:
            "--config", str(CONFIG), "--model", "tiny", "--block-size", "32", "--max-bytes", "50000",
            "--eval-batches", "1", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
            "--save-dir", str(out / "ckpt"), "--out-dir", str(out), *extra]
-    # the workers import this checkout's shardspeed (the example also puts it first on sys.path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # the workers import this checkout's shardspeed (the example also puts it first on sys.path); a worker
+    # that dies of a signal (at exit, say) prints its Python stack (faulthandler)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONFAULTHANDLER="1")
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    log = tmp_path / f"{name}.log"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         output, _ = proc.communicate()
-        pytest.fail(f"{name}: no result after {TIMEOUT}s (hung?); killed. Command: {' '.join(cmd)}\n{output}")
-    assert proc.returncode == 0, f"{name}: exit status {proc.returncode}. Command: {' '.join(cmd)}\n{output}"
+        log.write_text(output)
+        pytest.fail(_report(name, f"no result after {TIMEOUT}s (hung?); killed", cmd, log, output))
+    log.write_text(output)
+    assert proc.returncode == 0, _report(name, f"exit status {proc.returncode}", cmd, log, output)
     summary_file = out / "summary.json"
-    assert summary_file.exists(), f"{name}: no summary.json\n{output}"
+    assert summary_file.exists(), _report(name, "no summary.json", cmd, log, output)
     return output, json.loads(summary_file.read_text()), out
+
+
+def _report(name: str, what: str, cmd, log: Path, output: str) -> str:
+    return f"{name}: {what}. Command: {' '.join(map(str, cmd))}\nOutput (kept in {log}):\n{output}"
+
+
+# what a restart leaves in the output: torchrun's line about the failed worker, the example's resume line
+RESTART_MARKERS = ("failed (exitcode", "(restart ", "Worker group FAILED", "will restart worker group")
+
+
+def _assert_never_restarted(name: str, output: str, summary: dict, out: Path) -> None:
+    markers = [m for m in RESTART_MARKERS if m in output]
+    restarted = (summary["restart_count"], summary["start_step"]) != (0, 0) or markers
+    assert not restarted, (
+        f"{name}: a run without a fault was restarted by torchrun (summary: restart_count "
+        f"{summary['restart_count']}, start_step {summary['start_step']}; markers {markers}): a worker exited "
+        f"non-zero, at teardown if the last checkpoint was written.\nOutput (kept in {out.parent / name}.log):\n"
+        f"{output}")
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -97,8 +125,9 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bit_identical(
     # the first attempt failed where the drill says, torchrun restarted the group, the example resumed
     assert f"fault drill: rank 1 exits after step {FAIL_AT}" in crashed_log, crashed_log
     assert f"global_step{RESUME_STEP} at step {RESUME_STEP} (restart 1)" in crashed_log, crashed_log
-    assert (crashed["restart_count"], crashed["start_step"]) == (1, RESUME_STEP)
-    assert (straight["restart_count"], straight["start_step"]) == (0, 0)
+    assert (crashed["restart_count"], crashed["start_step"]) == (1, RESUME_STEP), crashed_log
+    assert crashed_log.count("failed (exitcode") == 1, crashed_log  # the drill's failure only: one restart
+    _assert_never_restarted("straight", straight_log, straight, straight_dir)
     assert "fault drill" not in straight_log and "resumed from" not in straight_log, straight_log
 
     # the same end, bit for bit: every weight, the losses of the steps trained after the restart (the
@@ -115,3 +144,43 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bit_identical(
     assert crashed["losses"][str(STEPS)] == straight["losses"][str(STEPS)]
     assert crashed["val_loss"] == straight["val_loss"]
     assert (crashed_dir / "ckpt" / "latest").read_text().strip() == f"global_step{STEPS}"
+
+
+def _shutdown_with_a_slow_rank(slow: int, delay: float):
+    """``shutdown_distributed`` when rank ``slow`` takes ``delay`` s to destroy its groups: returns each
+    rank's (time its destroy_process_group finished, time shutdown_distributed returned, still initialised)."""
+    import time
+
+    import torch.distributed as dist
+
+    from shardspeed.dist import init as dist_init
+
+    rank, real_destroy = dist.get_rank(), dist.destroy_process_group
+    done = {}
+
+    def destroy(*args, **kwargs):
+        if rank == slow:
+            time.sleep(delay)
+        real_destroy(*args, **kwargs)
+        done["t"] = time.time()
+
+    dist.destroy_process_group = destroy
+    try:
+        dist_init.shutdown_distributed(timeout=30)
+    finally:
+        dist.destroy_process_group = real_destroy
+    return done["t"], time.time(), dist.is_initialized()
+
+
+def test_shutdown_lets_rank_0_the_store_host_leave_last():
+    """Rank 0 hosts the TCPStore here (env://, as under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): it must not
+    return, and so exit, before the other ranks are done with their teardown."""
+    from tests.distributed import run_distributed
+
+    (d0, r0, init0), (d1, r1, init1) = run_distributed(_shutdown_with_a_slow_rank, 2, 1, 1.0, final_barrier=False)
+    assert not init0 and not init1
+    assert r0 >= d1, f"rank 0 returned {d1 - r0:.3f} s before rank 1 had destroyed its groups"
+    assert d1 - d0 > 0.5  # the delay was on rank 1's side: rank 0 waited for it
+    # the slow rank being rank 0 costs nothing more: the others leave as soon as it has reached the end
+    (d0, r0, init0), (d1, r1, init1) = run_distributed(_shutdown_with_a_slow_rank, 2, 0, 0.5, final_barrier=False)
+    assert not init0 and not init1 and r0 >= d1

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
-from shardspeed.dist.init import init_distributed, local_device
+from shardspeed.dist.init import init_distributed, local_device, shutdown_distributed
 from shardspeed.offload.cpu_adam import AdamHyper, adam_step
 
 _SMALL, _LARGE = 1 << 10, 1 << 22  # elements (fp32): 4 KiB and 16 MiB
@@ -99,8 +99,7 @@ def main(argv: list[str]) -> int:
         result.update(probe_compute(device))
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()  # rank 0 (the store's host under the trial launcher) leaves last
     return 0
 
 

@@ -138,9 +138,9 @@ class ProfileWindow:
         return metrics
 
     def _exit(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        from shardspeed.dist.init import shutdown_distributed
+
+        shutdown_distributed()  # rank 0 (the store's host under the trial launcher) leaves last
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(0)

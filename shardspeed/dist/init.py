@@ -5,6 +5,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -52,6 +53,70 @@ def init_distributed(
         method = init_method or f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(init_method=method, rank=0, world_size=1, **kwargs)
     logger.info("initialised %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+_shutdowns = 0  # shutdown_distributed calls in this process: part of its store keys
+
+
+def _wait_count(store: Any, key: str, target: int, timeout: float) -> bool:
+    """Poll the store's counter ``key`` until it reaches ``target``; False after ``timeout`` seconds."""
+    deadline, pause = time.monotonic() + timeout, 0.005
+    while store.add(key, 0) < target:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+    return True
+
+
+def shutdown_distributed(timeout: float = 60.0) -> None:
+    """Destroy every process group so that no rank can fail in the teardown; call it on every rank at the
+    end of training (it replaces ``dist.barrier(); dist.destroy_process_group()``). Nothing to do when no
+    process group exists.
+
+    A barrier alone does not order the ranks' exits, and a rank that leaves first can make another one
+    exit with an error (its exit status is not 0, and torchrun under ``--max-restarts`` restarts the whole
+    finished job): rank 0 hosts the rendezvous TCPStore whenever torchrun does not share its own (with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``shardspeed run --max-restarts`` sets, and under
+    plain ``env://``/``tcp://``), and gloo closes its connections in ``destroy_process_group`` while a
+    slower peer may still be finishing the barrier on them. So:
+
+    1. a barrier over the default group: every rank has finished its collectives;
+    2. a second barrier through the store (not the backend): every rank has returned from the first, so
+       no backend operation is pending anywhere when the connections close;
+    3. ``destroy_process_group()`` on every rank;
+    4. the ranks > 0 tell the store they are done and return; rank 0 returns (and its process may exit,
+       taking the store's server with it) only once they all have, or after ``timeout`` seconds.
+    """
+    global _shutdowns
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        dist.destroy_process_group()
+        return
+    from torch.distributed.distributed_c10d import _get_default_store  # the store the groups were made with
+
+    store = _get_default_store()  # held until the end: on rank 0 it may own the server
+    dist.barrier()
+    _shutdowns += 1
+    prefix = f"shardspeed/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_shutdowns}/"
+    try:
+        store.add(prefix + "arrived", 1)
+        if not _wait_count(store, prefix + "arrived", world, timeout):
+            logger.warning("shutdown: not every rank reached the end within %.0f s; destroying the groups", timeout)
+    except (RuntimeError, OSError) as e:  # a torch store error (DistStoreError is a RuntimeError)
+        logger.warning("shutdown: the store barrier failed (%s); destroying the groups", e)
+        dist.destroy_process_group()
+        return
+    dist.destroy_process_group()
+    try:
+        if rank != 0:
+            store.add(prefix + "left", 1)
+        elif not _wait_count(store, prefix + "left", world - 1, timeout):
+            logger.warning("shutdown: not every rank left within %.0f s", timeout)
+    except (RuntimeError, OSError) as e:
+        logger.warning("shutdown: %s", e)
 
 
 def local_device() -> torch.device:
