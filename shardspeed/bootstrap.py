@@ -127,6 +127,10 @@ def _run(argv: Sequence[str]) -> None:
     if not argv:
         raise SystemExit("usage: python shardspeed/bootstrap.py script.py [args] | --module name [args]")
     script = os.path.abspath(argv[0])  # Python >= 3.9 gives __main__ an absolute __file__
+    if not os.path.exists(script):  # as Python says it (and its exit status 2)
+        print(f"{os.path.basename(sys.executable)}: can't open file {script!r}: [Errno 2] No such file or directory",
+              file=sys.stderr)
+        raise SystemExit(2)
     sys.argv = list(argv)
     # as `python script.py`: the script's directory first on sys.path
     sys.path[0] = os.path.dirname(os.path.realpath(script))

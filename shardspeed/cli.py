@@ -368,6 +368,10 @@ def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
         torchrun_main(wrapped)
     except ChildFailedError as e:
         failure = e
+    except BaseException:  # torchrun's own failure (rendezvous, Ctrl-C): no summary, no directory left
+        if not bootstrap.read_records(error_dir):
+            shutil.rmtree(error_dir, ignore_errors=True)
+        raise
     finally:
         torchrun_log.removeFilter(quiet)
         if saved_env is None:
