@@ -201,6 +201,8 @@ class GradientReducer:
         grad = param.grad
         if grad is None:
             return None
+        if g.bucket is None:
+            self._reap()
         g.unit.param_view(self._bucket(g), pi).add_(grad.reshape(-1))
         param.grad = None
         g.dirty = True
@@ -272,10 +274,14 @@ class GradientReducer:
             lo, hi = g.unit.layout.chunk_range(g.unit.rank)
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
-        # finish what is already done without blocking; block only past the memory bound
-        while self._in_flight and _completed(self._in_flight[0]) and self.policy.every_micro_step:
-            self._complete(self._in_flight.pop(0))
+        self._reap()  # block only past the memory bound
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+            self._complete(self._in_flight.pop(0))
+
+    def _reap(self) -> None:
+        """Stages 2-3: finish the reductions that are already done, without blocking (their buckets go back to
+        the pool, so the next unit's bucket reuses one instead of allocating)."""
+        while self._in_flight and self.policy.every_micro_step and _completed(self._in_flight[0]):
             self._complete(self._in_flight.pop(0))
 
     def _complete(self, g: _UnitGrads) -> None:
