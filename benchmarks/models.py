@@ -1,7 +1,9 @@
-"""Models and data for the benchmarks: a small MLP and a GPT-style transformer.
+"""Models and data for the benchmarks: a small MLP, a GPT-style transformer and a Llama-style causal LM.
 
 The GPT comes from ``shardspeed.models.gpt`` when the library has it; until then a local definition of the
 same shape (pre-LN blocks in an ``nn.ModuleList`` named ``blocks``, tied embedding / LM head) is used.
+The Llama is transformers' ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, nothing
+downloaded), optionally wrapped with a PEFT LoRA adapter (``HFCausalLM``; its ``blocks`` are the decoder layers).
 Every model takes ``(x, y)`` and returns the mean loss, so every system calls it the same way.
 """
 from __future__ import annotations
@@ -100,6 +102,48 @@ class LocalGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+# ---- Llama (transformers), optionally with LoRA (peft) --------------------------------------------------
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the suite's ``forward(x, y) -> loss``. ``y`` is ``x`` shifted already
+    (``make_batch``), so it goes in as ``shift_labels`` (transformers would shift ``labels`` once more)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers (not registered twice: read through the wrapped model)."""
+        m = self.lm
+        if hasattr(m, "get_base_model"):  # a PeftModel
+            m = m.get_base_model()
+        return m.model.layers
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=y, shift_labels=y).loss
+
+
+def build_llama(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, intermediate: int,
+                lora_r: int = 0) -> HFCausalLM:
+    """``LlamaForCausalLM`` (fp32, eager attention, untied head, no KV cache); with ``lora_r`` > 0 wrapped by
+    PEFT LoRA (rank ``lora_r``, alpha 2r, on q_proj and v_proj, dropout 0): only the adapters train."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=intermediate,
+                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
+                      max_position_embeddings=block_size, tie_word_embeddings=False, use_cache=False,
+                      attn_implementation="eager")
+    lm = LlamaForCausalLM(cfg).float()
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lm = get_peft_model(lm, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
+                                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    return HFCausalLM(lm)
+
+
 #: Benchmark model specs: name -> (kind, kwargs). Sizes chosen so the full suite fits in 15 min on 2 cores.
 MODELS: Dict[str, dict] = {
     "mlp": dict(kind="mlp", d_in=512, hidden=1024, depth=6, d_out=512, batch=64, timing=(3, 8, 2)),  # ~6.3M params
@@ -109,6 +153,12 @@ MODELS: Dict[str, dict] = {
     "mlp-quick": dict(kind="mlp", d_in=256, hidden=512, depth=4, d_out=256, batch=32),
     "gpt-50m": dict(kind="gpt", vocab_size=16384, block_size=128, n_layer=8, n_head=8, n_embd=640, batch=2,
                     timing=(1, 3, 1)),  # ~50M params (bench_zero: memory first, 3 interleaved rounds of timing)
+    # issue 21: Llama-style, 12 layers x 768, 12 heads, MLP 2048, vocabulary 16384, untied head: 109.9M params;
+    # "-lora": PEFT LoRA r=8 on q_proj/v_proj (0.29M trainable, the rest frozen)
+    "llama-110m": dict(kind="llama", vocab_size=16384, block_size=256, n_layer=12, n_head=12, n_embd=768,
+                       intermediate=2048, batch=2),
+    "llama-110m-lora": dict(kind="llama", vocab_size=16384, block_size=256, n_layer=12, n_head=12, n_embd=768,
+                            intermediate=2048, lora_r=8, batch=2),
 }
 
 
@@ -120,6 +170,8 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":
         return MLP(**spec)
+    if kind == "llama":
+        return build_llama(**spec)
     if HAVE_LIB_GPT:
         cfg = _LibGPTConfig(vocab_size=spec["vocab_size"], block_size=spec["block_size"], n_layer=spec["n_layer"],
                             n_head=spec["n_head"], n_embd=spec["n_embd"])
@@ -133,7 +185,7 @@ def global_batch(name: str, world: int) -> int:
 
 def tokens_per_step(name: str, world: int) -> int:
     spec = MODELS[name]
-    per_sample = spec["block_size"] if spec["kind"] == "gpt" else 1
+    per_sample = spec["block_size"] if spec["kind"] in ("gpt", "llama") else 1
     return global_batch(name, world) * per_sample
 
 
@@ -142,7 +194,7 @@ def make_batch(name: str, step: int, world: int, rank: int) -> Tuple[torch.Tenso
     spec = MODELS[name]
     g = torch.Generator().manual_seed(1000 + step)
     gb = global_batch(name, world)
-    if spec["kind"] == "gpt":
+    if spec["kind"] in ("gpt", "llama"):
         data = torch.randint(0, spec["vocab_size"], (gb, spec["block_size"] + 1), generator=g)
         x, y = data[:, :-1], data[:, 1:]
     else:
@@ -154,3 +206,7 @@ def make_batch(name: str, step: int, world: int, rank: int) -> Tuple[torch.Tenso
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def num_trainable_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -55,6 +55,12 @@ def ds_config(system: str, micro_batch: int, dtype: str = "fp32") -> Dict[str, A
     return cfg
 
 
+def trainable(model) -> list:
+    """The parameters an optimizer gets: those with ``requires_grad`` (all of them, but for a frozen base
+    model under LoRA), each once."""
+    return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+
+
 def _adamw(params, **kw) -> torch.optim.Optimizer:
     params = list(params)
     try:
@@ -95,7 +101,7 @@ class DDPSystem(System):
             raise Skip("DDP baseline is fp32 only in this suite")
         self.name = "ddp"
         self.model = DDP(model)
-        self.opt = _adamw(self.model.parameters())
+        self.opt = _adamw(trainable(self.model))
         self.kernel = self.opt.kernel
 
     def step(self, x, y):
@@ -126,7 +132,7 @@ class FSDP2System(System):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
-        self.opt = _adamw(model.parameters())
+        self.opt = _adamw(trainable(model))
         self.kernel = self.opt.kernel
         try:  # fused on DTensor may be refused only at the first step
             self.step_checked = False
@@ -142,7 +148,7 @@ class FSDP2System(System):
         except RuntimeError:
             if self.step_checked:
                 raise
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WD)
+            self.opt = torch.optim.AdamW(trainable(self.model), lr=LR, weight_decay=WD)
             self.kernel = "default"
             self.opt.step()
         self.step_checked = True
@@ -164,7 +170,7 @@ class DeepSpeedSystem(System):
         cfg = ds_config(system, micro_batch, dtype)
         cfg["zero_allow_untested_optimizer"] = True
         cfg["zero_force_ds_cpu_optimizer"] = False  # offload with torch's AdamW (DeepSpeedCPUAdam needs a build)
-        opt = _adamw(model.parameters())
+        opt = _adamw(trainable(model))
         self.kernel = opt.kernel
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
 
