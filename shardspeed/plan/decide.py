@@ -1,0 +1,161 @@
+"""``decide(config, world_size, facts) -> Plan``: every decision about a run, in one pure function.
+
+Pure: it reads the config and the facts it is given, creates no process group and no tensor, so it is
+tested with plain objects. The config is parsed once here; every contradiction between keys, or between
+the config and the model's facts, is a :class:`~shardspeed.errors.ConfigError` naming the keys.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..config import ShardspeedConfig, load_config, parse_config
+from ..errors import ConfigError
+from .types import (
+    BatchPlan,
+    CheckpointingPlan,
+    LossScalePlan,
+    MeshPlan,
+    ModelFacts,
+    PipelinePlan,
+    PlacementPlan,
+    Plan,
+    PrecisionPlan,
+    ShardingPlan,
+    TensorParallelPlan,
+)
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
+           mesh: Optional[MeshPlan] = None) -> Plan:
+    """The plan of a run of ``world_size`` ranks. ``config``: a dict, a JSON path or a parsed
+    ``ShardspeedConfig``. ``mesh``: sizes that come from elsewhere (a user's ``mpu``), checked against the
+    config's instead of derived from it."""
+    facts = facts if facts is not None else ModelFacts()
+    parsed = parse_config(config)
+    mesh = _mesh(parsed, world_size, facts, mesh)
+    cfg = load_config(parsed, world_size=mesh.shard_size)
+    _check(cfg, mesh, facts)
+    assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
+    assert cfg.gradient_accumulation_steps is not None  # load_config resolved the trio
+    return Plan(
+        mesh=mesh, sharding=sharding_plan(cfg, mesh, pipelined=facts.pipeline_stages is not None),
+        placement=placement_plan(cfg), precision=precision_plan(cfg),
+        batch=BatchPlan(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps),
+        checkpointing=CheckpointingPlan(blocks=bool(cfg.activation_checkpointing.enabled),
+                                        policy=cfg.activation_checkpointing.policy,
+                                        configure="activation_checkpointing" in cfg.model_fields_set),
+        pipeline=PipelinePlan(stages=mesh.pipe, schedule=cfg.pipeline.schedule,
+                              virtual_stages=cfg.pipeline.virtual_stages),
+        tensor_parallel=TensorParallelPlan(size=mesh.model, preset_model=cfg.tensor_parallel.preset_model,
+                                           partition_config=cfg.tensor_parallel.partition_config,
+                                           sequence_parallel=bool(cfg.tensor_parallel.sequence_parallel)),
+    )
+
+
+def _mesh(cfg: ShardspeedConfig, world: int, facts: ModelFacts, given: Optional[MeshPlan]) -> MeshPlan:
+    pipe, tp = _pipe_size(cfg, facts), _tp_size(cfg, facts)
+    if given is not None:
+        for key, want, got in (("pipeline.stages", pipe, given.pipe), ("tensor_parallel.autotp_size", tp, given.model)):
+            if want > 1 and want != got:
+                raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
+                                  f"(the mpu decides the groups) or make them agree")
+        return given
+    if world % (pipe * tp):
+        raise ConfigError(f"world {world} is not divisible by pipeline.stages {pipe} × "
+                          f"tensor_parallel.autotp_size {tp} = {pipe * tp}")
+    if pipe > 1 and facts.pipeline_stages is None:
+        raise ConfigError(f"pipeline.stages {pipe} needs a shardspeed.pipe.PipelineModule model; build it as "
+                          f"PipelineModule(layers=..., num_stages={pipe}) or set pipeline.stages to 1")
+    return MeshPlan(pipe=pipe, data=world // (pipe * tp), model=tp)
+
+
+def _pipe_size(cfg: ShardspeedConfig, facts: ModelFacts) -> int:
+    """A PipelineModule's num_stages (``pipeline.stages`` must agree when set), else ``pipeline.stages``."""
+    stages = cfg.pipeline.stages
+    if facts.pipeline_stages is not None:
+        if stages != "auto" and int(stages) != facts.pipeline_stages:
+            raise ConfigError(f"pipeline.stages {stages} disagrees with the PipelineModule's num_stages "
+                              f"{facts.pipeline_stages}; remove pipeline.stages or make them agree")
+        return facts.pipeline_stages
+    return cfg.pipeline.num_stages
+
+
+def _tp_size(cfg: ShardspeedConfig, facts: ModelFacts) -> int:
+    """``tensor_parallel.autotp_size`` (0/1: none), else what tp_model_init recorded (they must agree)."""
+    size = int(cfg.tensor_parallel.autotp_size)
+    if facts.tp_size is None:
+        return max(size, 1)
+    if size > 0 and size != facts.tp_size:
+        raise ConfigError(f"tensor_parallel.autotp_size {size} disagrees with tp_model_init(tp_size="
+                          f"{facts.tp_size}); make them equal or drop one")
+    return facts.tp_size
+
+
+def _check(cfg: ShardspeedConfig, mesh: MeshPlan, facts: ModelFacts) -> None:
+    """Contradictions between keys, or between the config and the model, that the config alone cannot see."""
+    stage = cfg.zero_optimization.stage
+    if facts.built_sharded and stage != 3:
+        raise ConfigError(f"the model was built under shardspeed.zero.Init (parameters sharded at construction), "
+                          f"which needs zero_optimization.stage 3; the config says stage {stage}")
+    if facts.pipeline_stages is not None and cfg.tensor_parallel.sequence_parallel and mesh.model > 1:
+        raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
+                          "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "
+                          "false")
+
+
+def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False) -> ShardingPlan:
+    """ZeRO's decisions for ``cfg.zero_optimization.stage``. ``pipelined``: a pipeline schedule's
+    micro-batches accumulate locally, one reduction at the boundary."""
+    z = cfg.zero_optimization
+    stage = z.stage
+    scatter = stage >= 1 and (bool(z.reduce_scatter) or stage == 3)
+    in_flight = {2: 2, 3: 1}.get(stage)
+    return ShardingPlan(
+        stage=stage, partition_optimizer=stage >= 1, partition_gradients=stage >= 2,
+        partition_parameters=stage == 3, reduce_op="reduce_scatter" if scatter else "all_reduce",
+        reduce_every_micro_step=stage >= 2 and not pipelined, gather_after_step=stage in (1, 2),
+        overlap=bool(z.overlap_comm), unit_world=1 if stage == 0 else mesh.shard_size,
+        reduce_bucket=int(z.reduce_bucket_size), reductions_in_flight=in_flight,
+        prefetch_bucket=int(z.prefetch_bucket_size), persistence_threshold=int(z.param_persistence_threshold),
+        max_live_parameters=int(z.max_live_parameters),
+        gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save),
+    )
+
+
+def placement_plan(cfg: ShardspeedConfig) -> PlacementPlan:
+    """``offload_param`` / ``offload_optimizer``: "cpu" is host memory, "nvme" files under ``nvme_path``."""
+    z = cfg.zero_optimization
+    where = {"none": "device", "cpu": "host", "nvme": "file"}
+    op, oo = z.offload_param, z.offload_optimizer
+    return PlacementPlan(
+        params=where[op.device] if op is not None else "device",
+        optimizer=where[oo.device] if oo is not None else "device",
+        params_path=op.nvme_path if op is not None else None,
+        optimizer_path=oo.nvme_path if oo is not None else None,
+        pin_memory=bool(oo.pin_memory) if oo is not None else True,
+        params_pin_memory=bool(op.pin_memory) if op is not None else True,
+        tile_elems=int(z.sub_group_size), buffer_count=int(oo.buffer_count) if oo is not None else 4,
+        ratio=float(oo.ratio) if oo is not None else 1.0,
+    )
+
+
+def precision_plan(cfg: ShardspeedConfig) -> PrecisionPlan:
+    """Compute dtype from fp16/bf16, collectives in ``communication_data_type``, accumulation in
+    ``data_types.grad_accum_dtype`` (default: the compute dtype); overflowing steps are skipped with fp16 and,
+    unless ``bf16.check_grad_overflow`` is false, in every dtype (DeepSpeed skips them at stages 1-3)."""
+    f = cfg.fp16
+    name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
+    return PrecisionPlan(
+        compute=cfg.train_dtype, reduce=cfg.comm_dtype,
+        accumulate=_DTYPES[name] if name is not None else cfg.train_dtype,
+        loss_scale=LossScalePlan(enabled=bool(f.enabled), static_scale=float(f.loss_scale),
+                                 initial_scale_power=int(f.initial_scale_power), window=int(f.loss_scale_window),
+                                 hysteresis=int(f.hysteresis), consecutive_hysteresis=bool(f.consecutive_hysteresis),
+                                 min_scale=float(f.min_loss_scale)),
+        check_overflow=bool(f.enabled) or bool(cfg.bf16.check_grad_overflow),
+        predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
+    )

@@ -1,0 +1,179 @@
+"""The plan: frozen dataclasses that say what a run is, in decisions rather than config sections.
+
+:func:`shardspeed.plan.decide` makes one from a config, a world size and a few facts about the model; the
+builder assembles the engine from it, and the estimator and the autotuner price it. Nothing here holds a
+process group or a tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+#: The mesh's dimensions, outermost first. ZeRO shards over the dimensions whose ranks hold the same
+#: parameters: data, and sequence once it exists.
+MESH_DIMS: Tuple[str, ...] = ("pipe", "data", "expert", "sequence", "model")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs to know about the model, read from it by the caller (the plan never sees it).
+
+    ``pipeline_stages``: a ``PipelineModule``'s ``num_stages`` (None: not a pipeline module).
+    ``tp_size``: the ``tp_size`` that ``tp_model_init`` recorded on the model (None: not called).
+    ``built_sharded``: its parameters were built under ``shardspeed.zero.Init``."""
+
+    pipeline_stages: Optional[int] = None
+    tp_size: Optional[int] = None
+    built_sharded: bool = False
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Sizes of the named mesh dimensions (a size-1 dimension costs nothing); world = their product."""
+
+    pipe: int = 1
+    data: int = 1
+    expert: int = 1
+    sequence: int = 1
+    model: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pipe * self.data * self.expert * self.sequence * self.model
+
+    @property
+    def sizes(self) -> Dict[str, int]:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO partitions over: those holding the same parameters (data × sequence)."""
+        return self.data * self.sequence
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What ZeRO partitions, how gradients are reduced, and how stage 3 gathers.
+
+    ``reduce_op``: "all_reduce" or "reduce_scatter". ``reduce_every_micro_step``: reduce each backward and keep
+    only the shard (stages 2-3 outside a pipeline); otherwise gradients accumulate locally until the
+    boundary. ``unit_world``: ranks a flat unit is split over (1 at stage 0). ``reductions_in_flight``: the
+    bound on full-size buckets in flight (None: unbounded, stages 0-1 keep them anyway)."""
+
+    stage: int
+    partition_optimizer: bool
+    partition_gradients: bool
+    partition_parameters: bool
+    reduce_op: str
+    reduce_every_micro_step: bool
+    gather_after_step: bool
+    overlap: bool
+    unit_world: int
+    reduce_bucket: int
+    reductions_in_flight: Optional[int]
+    prefetch_bucket: int
+    persistence_threshold: int
+    max_live_parameters: int
+    gather_16bit_weights_on_save: bool
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where each state lives: "device", "host" or "file" (NVMe).
+
+    ``params``: stage-3 parameter shards between gathers. ``optimizer``: fp32 masters and optimizer states.
+    ``tile_elems``: elements per offloaded optimizer tile (sub_group_size)."""
+
+    params: str = "device"
+    optimizer: str = "device"
+    params_path: Optional[str] = None
+    optimizer_path: Optional[str] = None
+    pin_memory: bool = True
+    params_pin_memory: bool = True
+    tile_elems: int = 1_000_000_000
+    buffer_count: int = 4
+    ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class LossScalePlan:
+    """fp16's loss scaling (DeepSpeed's semantics); ``dynamic`` False means a static ``static_scale``."""
+
+    enabled: bool = False
+    static_scale: float = 0.0
+    initial_scale_power: int = 16
+    window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.enabled and self.static_scale == 0
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """Dtypes of computation, masters (always fp32), gradient collectives and gradient accumulation."""
+
+    compute: torch.dtype = torch.float32
+    master: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+    accumulate: torch.dtype = torch.float32
+    loss_scale: LossScalePlan = LossScalePlan()
+    check_overflow: bool = True
+    predivide_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch arithmetic, resolved: global = micro × accumulation × data-parallel size."""
+
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """Activation checkpointing: ``blocks`` checkpoints every transformer block with ``policy``;
+    ``configure``: the block's settings replace whatever shardspeed.checkpointing holds."""
+
+    blocks: bool = False
+    policy: str = "full"
+    configure: bool = False
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline schedule (meaningful when the mesh's pipe dimension is > 1 or the model is a pipeline)."""
+
+    stages: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: Any = "auto"
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How the model dimension splits layers."""
+
+    size: int = 1
+    preset_model: Optional[str] = None
+    partition_config: Any = None
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything :func:`~shardspeed.plan.decide` decided; the builder assembles the engine from this alone."""
+
+    mesh: MeshPlan
+    sharding: ShardingPlan
+    placement: PlacementPlan
+    precision: PrecisionPlan
+    batch: BatchPlan
+    checkpointing: CheckpointingPlan
+    pipeline: PipelinePlan
+    tensor_parallel: TensorParallelPlan
