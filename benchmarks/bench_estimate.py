@@ -108,7 +108,7 @@ def _run_one(c: dict[str, Any], seq: int, steps: int, world: int, rank: int) -> 
         del loss
     peak = proc_status_kb("VmHWM")
     breakdown = engine.memory_breakdown()
-    engine._p.master.close()
+    engine.master_weights.close()
     del engine, model
     gc.collect()
     return {**c, "base_kb": base, "peak_kb": peak, "build_peak_kb": build_peak, "losses": losses,

@@ -70,7 +70,7 @@ def child(size: float, device: str, nvme_path: str, steps: int, sub_group: int, 
         engine.step()
     dt = (time.perf_counter() - t0) / steps
     peak = _vm("VmHWM")
-    held = engine._p.master.held_bytes()
+    held = engine.master_weights.held_bytes()
     files = held.get("nvme_files", 0)
     return {"psi": psi, "device": device, "peak_rss": peak, "rss_before_steps": base, "s_per_step": dt,
             "host_buffers": held.get("host_buffers", 0), "nvme_files": files,

@@ -81,7 +81,7 @@ def train(gpt_cfg, args, nvme: bool, rank: int, world: int) -> dict[str, Any]:
     checkpoint_blocks(model, policy="full")
     engine, *_ = shardspeed.initialize(model=model, config=ds_config(args, nvme))
     build_s = time.perf_counter() - t0
-    n_params = sum(math.prod(s) for u in engine._p.master.units for s in u.shapes)
+    n_params = sum(math.prod(s) for u in engine.master_weights.units for s in u.shapes)
     disk = {"after_build": du(args.nvme_path)} if nvme else {}
     losses, times = [], []
     for i in range(args.steps):
@@ -97,7 +97,7 @@ def train(gpt_cfg, args, nvme: bool, rank: int, world: int) -> dict[str, Any]:
             print(f"  {'nvme' if nvme else 'ref '} step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.1f} s, "
                   f"RSS peak so far {proc_status_kb('VmHWM') / 2**20:.2f} GiB", flush=True)
     peak_kb = proc_status_kb("VmHWM")
-    engine._p.master.close()
+    engine.master_weights.close()
     del engine, model
     gc.collect()
     return {"params": n_params, "losses": losses, "s_per_step": times, "build_s": build_s,

@@ -156,10 +156,10 @@ def main(argv=None) -> int:
         "tokens_per_s": round(args.micro_batch * args.seq / s_step, 1),
         "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "loss": round(float(loss), 4),
-        "host_breakdown": {k: v for k, v in engine._p.master.held_bytes().items()},
+        "host_breakdown": {k: v for k, v in engine.master_weights.held_bytes().items()},
     }
     print(json.dumps(out))
-    close = getattr(engine._p.master, "close", None)
+    close = getattr(engine.master_weights, "close", None)
     if close:
         close()
     return 0

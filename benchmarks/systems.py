@@ -223,7 +223,7 @@ class ShardspeedSystem(System):
         return self.engine.comms_summary()
 
     def reset_library_comms(self):
-        self.engine._p.comms_logger.reset()
+        self.engine.comms_logger.reset()
 
 
 def build_system(system: str, model, micro_batch: int, dtype: str = "fp32") -> System:

@@ -320,12 +320,12 @@ def _train(config: dict, model: nn.Module, enable=None) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
-        manager = engine._p.param_manager
+        manager = engine.param_manager
         if manager is not None:
             left_gathered += sum(u.state is not UnitState.SHARDED for u in manager.units)
     from models import gathered_params
 
-    manager = engine._p.param_manager
+    manager = engine.param_manager
     return {"losses": losses, "params": gathered_params(engine), "gathered_after_step": left_gathered,
             "comms": engine.comms_summary(), "gathers": manager.gather_count if manager is not None else None}
 
@@ -451,7 +451,7 @@ def _hf_cases() -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            left += sum(u.state is not UnitState.SHARDED for u in engine._p.param_manager.units)
+            left += sum(u.state is not UnitState.SHARDED for u in engine.param_manager.units)
         layer_fn = engine.module.transformer.h[0].__dict__.get("_gradient_checkpointing_func")
         out[mode] = {"losses": losses, "left": left, "on": engine.module.is_gradient_checkpointing,
                      "ours": type(layer_fn).__name__ == "_PolicyCheckpoint"}

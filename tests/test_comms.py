@@ -40,15 +40,15 @@ def _measure() -> list:
             x, y = torch.randn(4, 64), torch.randn(4, 64)
             engine.backward(engine(x, y))  # warm-up step (stage 3 traces its order here)
             engine.step()
-            engine._p.comms_logger.reset()
+            engine.comms_logger.reset()
             engine.backward(engine(x, y))
-            launch_log = list(engine._p.reducer.launch_log)
+            launch_log = list(engine.reducer.launch_log)
             engine.step()
-            units = getattr(engine._p.master, "units", [])
+            units = getattr(engine.master_weights, "units", [])
             padded = sum(u.layout.padded_numel for u in units) or psi
             out.append(dict(dtype=dtype, stage=stage, world=dist.get_world_size(), psi=psi, padded=padded,
                             summary=engine.comms_summary(), launch_log=launch_log,
-                            n_units=len(engine._p.reducer.units)))
+                            n_units=len(engine.reducer.units)))
             del engine, model
     return out
 

@@ -65,7 +65,7 @@ def _no_sync_case():
     out = {}
     engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_cfg(0, gradient_accumulation_steps=2))
     batch = make_batches("mlp", 1, 4 * world)[0]
-    engine._p.comms_logger.reset()
+    engine.comms_logger.reset()
     with engine.no_sync():
         x, y = micro_batch(batch, rank, world, 0, 2)
         engine.backward(engine(x, y))

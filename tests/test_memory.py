@@ -65,7 +65,7 @@ def _measure() -> list:
             if dtype == "bf16":
                 cfg["bf16"] = {"enabled": True}
             engine, *_ = shardspeed.initialize(model=model, config=cfg)
-            reducer = engine._p.reducer
+            reducer = engine.reducer
             peak = {"bytes": 0}
             launch = reducer._launch
 
@@ -79,8 +79,8 @@ def _measure() -> list:
                 engine.backward(engine(x, y))
                 report = engine.memory_breakdown()  # every model state is held here (stages 2-3 free
                 engine.step()  # their gradient shards after the step, as FSDP2 does)
-            padded = sum(u.layout.padded_numel for u in engine._p.master.units)
-            largest = max(u.layout.padded_numel for u in engine._p.master.units)
+            padded = sum(u.layout.padded_numel for u in engine.master_weights.units)
+            largest = max(u.layout.padded_numel for u in engine.master_weights.units)
             out.append(dict(dtype=dtype, stage=stage, world=world, rank=rank, psi=psi, padded=padded, largest=largest,
                             report=report, grad_peak_in_backward=peak["bytes"]))
             del engine, model

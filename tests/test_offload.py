@@ -65,7 +65,7 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
     assert all(p.numel() for p in params.values())
     out = {"losses": losses, "params": params, "skipped": engine.skipped_steps, "mem": engine.memory_breakdown(),
            "scale": engine.loss_scale}
-    master = engine._p.master
+    master = engine.master_weights
     out["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in master.units)
     placements = [u.placement for u in master.units]
     pf = placements[0].file if placements and placements[0].in_file else None

@@ -56,7 +56,7 @@ def _params(engine) -> dict:
     import torch.distributed as dist
 
     full, shapes = {}, {}
-    for u in engine._p.master.units:
+    for u in engine.master_weights.units:
         for prm, shape in zip(u.params, u.shapes):
             name = next(n for n, p in engine.module.named_parameters() if p is prm)
             shapes[name] = shape
@@ -72,12 +72,12 @@ def _params(engine) -> dict:
 
 def _file_state(engine) -> list:
     """Every host tile's (master, exp_avg, exp_avg_sq) as the store holds it (NVMe: read from the files)."""
-    m = engine._p.master
+    m = engine.master_weights
     return [tuple(x.clone() for x in m.tile_state(t)) for t in m.host_tiles]
 
 
 def _close(engine) -> None:
-    engine._p.master.close()
+    engine.master_weights.close()
 
 
 def _save_group(root: str) -> dict:

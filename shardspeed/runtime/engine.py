@@ -141,6 +141,26 @@ class Engine(nn.Module):
         """Stage 3's :class:`~shardspeed.zero.stage3.ParamManager` (its units, gather counts), else None."""
         return self._p.param_manager
 
+    @property
+    def master_weights(self) -> MasterWeights:
+        """This rank's :class:`~shardspeed.zero.master.MasterWeights` (an ``OffloadedMasterWeights`` under
+        ``offload_optimizer`` / ``offload_param``): its ``units`` (shards, layouts, placements), ``held_bytes()``
+        and ``close()`` (frees shard storage that outlives garbage collection, e.g. NVMe files). What
+        DeepSpeed keeps in its ZeRO optimizer wrapper; ``engine.optimizer`` is the torch optimizer it steps."""
+        return self._p.master
+
+    @property
+    def reducer(self) -> GradientReducer:
+        """The :class:`~shardspeed.zero.reducer.GradientReducer` that buckets and reduces gradients in backward
+        (its ``units``, ``launch_log``, ``held_bytes()``)."""
+        return self._p.reducer
+
+    @property
+    def comms_logger(self) -> CommsLogger:
+        """The :class:`~shardspeed.dist.comms.CommsLogger` counting this rank's collectives (what
+        :meth:`comms_summary` reports); ``reset()`` clears its counts, as DeepSpeed's ``comms_logger``."""
+        return self._p.comms_logger
+
     def get_lr(self) -> List[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
