@@ -17,7 +17,6 @@ elements (one block ahead), no persistent units.
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 from distributed import one_and_two_rank_fixtures
@@ -55,6 +54,7 @@ def _run():
 
     from shardspeed.dist.comms import Collectives, CommsLogger
     from shardspeed.dist.topology import Topology
+    from shardspeed.plan import decide
     from shardspeed.zero.reducer import GradientReducer, ReducePolicy
     from shardspeed.zero.stage3 import build_stage3_units
     from shardspeed.zero.unit import UnitState
@@ -65,8 +65,9 @@ def _run():
     model = Net()
     ref = copy.deepcopy(model)
     name_of = {id(p): n for n, p in model.named_parameters()}
-    cfg = SimpleNamespace(prefetch_bucket_size=100, param_persistence_threshold=0, max_live_parameters=10**9)
-    units, manager = build_stage3_units(model, cfg, comm, rank)
+    sharding = decide({"train_batch_size": world, "zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0}}, world).sharding
+    units, manager = build_stage3_units(model, sharding, comm, rank)
     out = {"rank": rank, "world": world, "unit_names": [[name_of[id(p)] for p in u.params] for u in units],
            "unit_numel": [u.numel for u in units]}
 

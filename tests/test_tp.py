@@ -131,7 +131,12 @@ def test_rng_tracker_forks_and_restores():
 
 def test_tp_model_init_merges_with_config():
     import shardspeed
-    from shardspeed.parallel.tp.setup import tp_size_for
+    from shardspeed.plan import decide
+    from shardspeed.runtime.builder import model_facts
+
+    def tp_size_for(m, autotp_size):
+        return decide({"train_batch_size": 4, "tensor_parallel": {"autotp_size": autotp_size}}, 4,
+                      model_facts(m)).mesh.model
 
     model = shardspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
     assert (tp_size_for(model, 0), tp_size_for(model, 2), tp_size_for(torch.nn.Linear(2, 2), 0)) == (2, 2, 1)

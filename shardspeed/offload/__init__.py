@@ -8,21 +8,9 @@
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from .cpu_adam import AdamHyper, CPUAdam, adam_step, is_adam_family
 from .master import OffloadedMasterWeights, OffloadPlan
 from .store import MemoryStateStore, NvmeStateStore, check_nvme_path
 
 __all__ = ["AdamHyper", "CPUAdam", "adam_step", "is_adam_family", "OffloadedMasterWeights", "OffloadPlan",
-           "MemoryStateStore", "NvmeStateStore", "check_nvme_path", "plan_from_config"]
-
-
-def plan_from_config(offload, sub_group_size: int) -> Optional[OffloadPlan]:
-    """The :class:`OffloadPlan` for an ``offload_optimizer`` block (None when it is absent or "none").
-    Tiles are ``sub_group_size`` elements at most (DeepSpeed's unit of the offloaded step)."""
-    if offload is None or offload.device == "none":
-        return None
-    return OffloadPlan(device=offload.device, nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                       pin_memory=bool(offload.pin_memory), ratio=float(offload.ratio),
-                       tile_elems=int(sub_group_size))
+           "MemoryStateStore", "NvmeStateStore", "check_nvme_path"]

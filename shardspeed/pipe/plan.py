@@ -1,7 +1,6 @@
-"""The builder's pipeline decisions: the pipe dimension's size, this rank's stages, the schedule."""
+"""This rank's pipeline stages and schedule, assembled from the plan's pipe dimension (decided by
+:func:`shardspeed.plan.decide`)."""
 from __future__ import annotations
-
-import torch.nn as nn
 
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.topology import Topology
@@ -9,25 +8,6 @@ from ..errors import ConfigError
 from .engine import PipeParts
 from .module import PipelineModule
 from .partition import rank_of_stage, stages_of_rank
-
-
-def pipeline_stages(pcfg, model: nn.Module) -> int:
-    """The pipe dimension: a PipelineModule's ``num_stages`` (``pipeline.stages`` must agree when set), else
-    ``pipeline.stages`` ("auto": 1)."""
-    if isinstance(model, PipelineModule):
-        if pcfg.stages != "auto" and int(pcfg.stages) != model.num_stages:
-            raise ConfigError(f"pipeline.stages {pcfg.stages} disagrees with the PipelineModule's num_stages "
-                              f"{model.num_stages}; remove pipeline.stages or make them agree")
-        return model.num_stages
-    return pcfg.num_stages
-
-
-def require_pipeline_module(stages: int, model: nn.Module) -> None:
-    """More than one stage needs a PipelineModule (the layers to cut into stages)."""
-    if stages > 1 and not isinstance(model, PipelineModule):
-        raise ConfigError(f"pipeline.stages {stages} needs a shardspeed.pipe.PipelineModule model (got "
-                          f"{type(model).__name__}); build it as PipelineModule(layers=..., num_stages={stages}) "
-                          f"or set pipeline.stages to 1")
 
 
 def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger) -> PipeParts:

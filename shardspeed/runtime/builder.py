@@ -1,7 +1,6 @@
-"""The one place that reads the config and decides which runtime parts to assemble."""
+"""The builder: :func:`shardspeed.plan.decide` decides what the run is; this module assembles its parts."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -13,23 +12,25 @@ from ..autotune.probe import build_profile_window
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..dist.comms import Collectives, CommsLogger
 from ..dist.init import init_distributed
-from ..dist.topology import Topology, mesh_sizes
+from ..dist.topology import Topology
 from ..errors import ConfigError
-from ..offload import OffloadedMasterWeights, plan_from_config
+from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
-from ..parallel.tp.setup import setup_tensor_parallel, tp_size_for
+from ..parallel.tp.setup import TP_ARGS_ATTR, setup_tensor_parallel
 from ..pipe.engine import PipelineEngine
 from ..pipe.module import PipelineModule
-from ..pipe.plan import pipeline_stages, plan_pipeline, require_pipeline_module
+from ..pipe.plan import plan_pipeline
 from ..pipe.ties import TiedGradients, build_tie_groups
+from ..plan import CheckpointingPlan, LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
+from ..zero.init import init_shard_of
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
-from ..zero.reducer import GradientReducer, ReducePolicy
-from ..zero.stage3 import build_stage3_units
+from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
+from ..zero.stage3 import ParamManager, build_stage3_units
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine, EngineParts
@@ -132,20 +133,80 @@ def build_engine(
     dist_init_required: Optional[bool] = None,
     mpu=None,
 ) -> Engine:
+    """Assemble an engine: the plan (:func:`shardspeed.plan.decide`) decides, this function builds its parts."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dist_init_required is not False:
         init_distributed()
-    cfg = parse_config(config)  # the mesh sizes are in the config; the batch sizes need the mesh's data size
-    topo = _topology(cfg, mpu, model, tp_size_for(model, int(cfg.tensor_parallel.autotp_size)))
-    cfg = load_config(cfg, world_size=topo.dp_size)
-    zero = cfg.zero_optimization
-    stage = zero.stage
-    train_dtype = cfg.train_dtype
-
+    user_topo = Topology.from_mpu(mpu) if mpu is not None else None
+    plan = decide(config, torch.distributed.get_world_size(), model_facts(model),
+                  mesh=MeshPlan(pipe=user_topo.pipe_size, data=user_topo.dp_size, model=user_topo.model_size)
+                  if user_topo is not None else None)
+    cfg = load_config(parse_config(config), world_size=plan.mesh.shard_size)
+    _check_optimizer(cfg, optimizer)
+    topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model)
     comms_logger = build_comms_logger(cfg.comms_logger)
     collectives = Collectives(topo, comms_logger)
+    pipe_plan = None
+    if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
+        pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
+        model_parameters = _current_parameters(model, model_parameters)
+    _activation_checkpointing(plan.checkpointing, cfg.activation_checkpointing, model, topo, comms_logger)
+    groups = _param_groups(model, model_parameters, optimizer)
+    model.to(device=topo.device)
+    if plan.precision.compute != torch.float32:
+        model.to(dtype=plan.precision.compute)
+    tp_state, ties, groups = _model_parallel(plan, model, topo, comms_logger, pipe_plan, groups)
+    _broadcast_module_state(model, collectives)
+    comms_logger.reset()
 
+    params, group_of = _trainable_in_grad_order(model, groups)
+    if not params:
+        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo)
+    master = _master_weights(plan, units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer))
+    if manager is not None:
+        manager.master = master
+    parts = EngineParts(
+        module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
+        master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale),
+        lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
+        train_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
+        gradient_accumulation_steps=plan.batch.accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
+        zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, steps_per_print=cfg.steps_per_print,
+        wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
+        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
+        gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save,
+        flops_profiler=_flops_profiler(cfg, model, master.units, topo),
+        monitor=_monitor(cfg, collectives, comms_logger, topo),
+        input_check=tp_state.input_check if tp_state is not None else None,
+        profile_window=build_profile_window(cfg, master.units, topo.device),
+    )
+    if cfg.memory_breakdown:
+        parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
+    engine: Engine
+    if pipe_plan is not None:
+        pipe_plan.tied = TiedGradients(ties, master.units, plan.precision.accumulate) if ties else None
+        engine = PipelineEngine(parts, pipe_plan)
+    else:
+        engine = Engine(parts)
+    ds_groups.set_topology(topo)
+    if cfg.dump_state and engine.global_rank == 0:
+        logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
+    return engine
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """What the plan needs to know about ``model``: a PipelineModule's stages, tp_model_init's size, and
+    whether zero.Init built it sharded."""
+    recorded = getattr(model, TP_ARGS_ATTR, None)
+    return ModelFacts(pipeline_stages=model.num_stages if isinstance(model, PipelineModule) else None,
+                      tp_size=int(recorded["tp_size"]) if recorded is not None else None,
+                      built_sharded=any(init_shard_of(p) is not None for p in model.parameters()))
+
+
+def _check_optimizer(cfg: ShardspeedConfig, optimizer) -> None:
+    """Exactly one optimizer: the config's block or ``optimizer=``."""
     if cfg.optimizer is None and optimizer is None:
         raise ConfigError(
             "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
@@ -156,101 +217,53 @@ def build_engine(
             f"two optimizers: the config's 'optimizer' block ({cfg.optimizer.type}) and optimizer= "
             f"({type(optimizer).__name__}); keep one"
         )
-    if stage != 3 and any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
-        raise ConfigError(
-            f"the model was built under shardspeed.zero.Init (parameters sharded at construction), which needs "
-            f"zero_optimization.stage 3; the config says stage {stage}"
-        )
-    pipe_plan = None
-    if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
-        pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
-        model_parameters = _current_parameters(model, model_parameters)
-    _activation_checkpointing(cfg, model, topo, comms_logger)
-    groups = _param_groups(model, model_parameters, optimizer)
-    model.to(device=topo.device)
-    if train_dtype != torch.float32:
-        model.to(dtype=train_dtype)
-    tp_state, ties, groups = _model_parallel(cfg, model, topo, comms_logger, pipe_plan, groups)
-    _broadcast_module_state(model, collectives)
-    comms_logger.reset()
-
-    params, group_of = _trainable_in_grad_order(model, groups)
-    if not params:
-        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
-    accum_dtype = _accum_dtype(cfg)
-    policy = ReducePolicy.for_stage(
-        stage, overlap=bool(zero.overlap_comm), reduce_scatter=bool(zero.reduce_scatter), accum_dtype=accum_dtype, comm_dtype=cfg.comm_dtype,
-        predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
-    )
-    if pipe_plan is not None:  # a schedule's micro-batches accumulate locally; one reduction at the boundary
-        policy = dataclasses.replace(policy, every_micro_step=False)
-    manager = None
-    if stage == 3:
-        units, manager = build_stage3_units(model, zero, collectives, topo.dp_rank,
-                                            placement=_shard_placement(zero.offload_param, topo.dp_rank))
-        reducer = GradientReducer(units, collectives, policy, max_in_flight=1,
-                                  on_unit_ready=manager.on_unit_grads_ready,
-                                  first_order=manager.backward_order_guess)
-    else:
-        world = 1 if stage == 0 else topo.dp_size
-        alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
-        units = _build_units(params, int(zero.reduce_bucket_size), world, topo.dp_rank if world > 1 else 0, alone)
-        reducer = GradientReducer(units, collectives, policy, max_in_flight=2 if stage == 2 else None)
-    master_kwargs: Dict[str, Any] = dict(sharded=stage >= 1, gather_after_step=stage in (1, 2), check_overflow=_check_overflow(cfg))
-    offload = plan_from_config(zero.offload_optimizer, int(zero.sub_group_size))
-    master: MasterWeights
-    if offload is not None:  # masters and optimizer state on the host or on disk (shardspeed.offload)
-        master = OffloadedMasterWeights(units, reducer, collectives, group_of,
-                                        _optimizer_factory(cfg, groups, optimizer), plan=offload, **master_kwargs)
-    else:
-        master = MasterWeights(units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer),
-                               **master_kwargs)
-    if manager is not None:
-        manager.master = master
-    # load_config resolved the batch trio
-    assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
-    assert cfg.gradient_accumulation_steps is not None
-    parts = EngineParts(
-        module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
-        master=master, loss_scaler=_loss_scaler(cfg), lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
-        train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
-        zero_stage=stage, train_dtype=train_dtype, steps_per_print=cfg.steps_per_print,
-        wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
-        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
-        gather_16bit_weights_on_save=bool(zero.gather_16bit_weights_on_model_save),
-        flops_profiler=_flops_profiler(cfg, model, master.units, topo),
-        monitor=_monitor(cfg, collectives, comms_logger, topo),
-        input_check=tp_state.input_check if tp_state is not None else None,
-        profile_window=build_profile_window(cfg, master.units, topo.device),
-    )
-    if cfg.memory_breakdown:
-        parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
-    engine: Engine
-    if pipe_plan is not None:
-        pipe_plan.tied = TiedGradients(ties, master.units, accum_dtype) if ties else None
-        engine = PipelineEngine(parts, pipe_plan)
-    else:
-        engine = Engine(parts)
-    ds_groups.set_topology(topo)
-    if cfg.dump_state and engine.global_rank == 0:
-        logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
-    return engine
 
 
-def _model_parallel(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,
+def _reduce_policy(plan: Plan) -> ReducePolicy:
+    sh, pr = plan.sharding, plan.precision
+    op = ReduceOp.REDUCE_SCATTER if sh.reduce_op == "reduce_scatter" else ReduceOp.ALL_REDUCE
+    return ReducePolicy(op, sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce, pr.predivide_factor)
+
+
+def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
+                topo: Topology) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
+    """The flat units, their gradient reducer and (stage 3) the parameter manager, as the plan says."""
+    sh = plan.sharding
+    policy = _reduce_policy(plan)
+    if sh.partition_parameters:
+        units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
+                                            placement=_shard_placement(plan.placement, topo.dp_rank))
+        reducer = GradientReducer(units, collectives, policy, max_in_flight=sh.reductions_in_flight,
+                                  on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess)
+        return list(units), reducer, manager
+    alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
+    flat = _build_units(params, sh.reduce_bucket, sh.unit_world, topo.dp_rank if sh.unit_world > 1 else 0, alone)
+    return flat, GradientReducer(flat, collectives, policy, max_in_flight=sh.reductions_in_flight), None
+
+
+def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Collectives, group_of: Dict[int, int],
+                    make_optimizer) -> MasterWeights:
+    """fp32 masters and the optimizer: on the device, or (offload_optimizer) on the host or in files."""
+    sh, pl = plan.sharding, plan.placement
+    kwargs: Dict[str, Any] = dict(sharded=sh.partition_optimizer, gather_after_step=sh.gather_after_step,
+                                  check_overflow=plan.precision.check_overflow)
+    if pl.optimizer == "device":
+        return MasterWeights(units, reducer, collectives, group_of, make_optimizer, **kwargs)
+    offload = OffloadPlan(device="cpu" if pl.optimizer == "host" else "nvme", nvme_path=pl.optimizer_path,
+                          buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,
+                          tile_elems=pl.tile_elems)
+    return OffloadedMasterWeights(units, reducer, collectives, group_of, make_optimizer, plan=offload, **kwargs)
+
+
+def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,
                     groups: List[dict]):
     """Split the layers over the model group (tensor parallelism), then tie the pipeline's shared weights,
     before ZeRO builds units of them. Returns (the TP state or None, the tie groups, the parameter groups
     pointed at the slices that replaced the full parameters)."""
-    tp = cfg.tensor_parallel
-    if pipe_plan is not None and tp.sequence_parallel and topo.model_size > 1:
-        raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
-                          "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "
-                          "false")
+    tp = plan.tensor_parallel
     tp_state = setup_tensor_parallel(model, topo, log, preset_model=tp.preset_model,
                                      partition_config=tp.partition_config, sequence_parallel=tp.sequence_parallel,
-                                     train_dtype=cfg.train_dtype)
+                                     train_dtype=plan.precision.compute)
     if tp_state is not None:  # the user's parameter groups name the full parameters: point them at the slices
         groups = [dict(g, params=[tp_state.report.replaced.get(id(p), p) for p in g["params"]]) for g in groups]
     ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, log) \
@@ -258,18 +271,17 @@ def _model_parallel(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log
     return tp_state, ties, groups
 
 
-def _activation_checkpointing(cfg: ShardspeedConfig, model: nn.Module, topo: Topology, log: CommsLogger) -> None:
-    """``activation_checkpointing``: configure shardspeed.checkpointing from the block (its keys, the mesh's
+def _activation_checkpointing(ck: CheckpointingPlan, block, model: nn.Module, topo: Topology, log: CommsLogger) -> None:
+    """Configure shardspeed.checkpointing from the ``activation_checkpointing`` block (its keys, the mesh's
     tensor-parallel group) when the config has the block or nothing configured it yet, so a configure() the
-    user called before initialize survives a config without the block; ``enabled`` also checkpoints every
-    transformer block of the model."""
+    user called before initialize survives a config without the block; the plan's ``blocks`` also checkpoints
+    every transformer block of the model."""
     from ..checkpointing import CheckpointSettings, apply, checkpoint_blocks, is_configured, model_group_comm
 
-    block = cfg.activation_checkpointing
-    if "activation_checkpointing" in cfg.model_fields_set or not is_configured():
+    if ck.configure or not is_configured():
         apply(CheckpointSettings.from_config(block), model_group_comm(topo, log))
-    if block.enabled:
-        checkpoint_blocks(model, policy=block.policy)
+    if ck.blocks:
+        checkpoint_blocks(model, policy=ck.policy)
 
 
 def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topology):
@@ -285,23 +297,6 @@ def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topolo
                              top_modules=fp.top_modules, detailed=fp.detailed, output_file=fp.output_file,
                              recompute_fwd_factor=float(fp.recompute_fwd_factor),
                              param_numel=lambda p: sizes.get(id(p), p.numel()), device=topo.device)
-
-
-def _topology(cfg: ShardspeedConfig, mpu, model: nn.Module, tp: int) -> Topology:
-    """The mesh (pipe × data × model) from the config's sizes (a PipelineModule's num_stages for the pipe
-    dimension; ``tp``: the model dimension), or the groups of a user's mpu."""
-    stages = pipeline_stages(cfg.pipeline, model)
-    if mpu is not None:
-        topo = Topology.from_mpu(mpu)
-        for key, want, got in (("pipeline.stages", stages, topo.pipe_size),
-                               ("tensor_parallel.autotp_size", tp, topo.model_size)):
-            if want > 1 and want != got:
-                raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
-                                  f"(the mpu decides the groups) or make them agree")
-        return topo
-    mesh_sizes(torch.distributed.get_world_size(), stages, tp)  # one-line error when the sizes do not divide
-    require_pipeline_module(stages, model)
-    return Topology.from_mesh(pipe=stages, model=tp)
 
 
 def _current_parameters(model: nn.Module, model_parameters: Optional[Iterable]) -> Optional[Iterable]:
@@ -356,39 +351,24 @@ def _monitor(cfg: ShardspeedConfig, collectives: Collectives, comms_logger: Comm
                       write_loss_scale=bool(cfg.fp16.enabled), write_timers=bool(cfg.wall_clock_breakdown))
 
 
-def _shard_placement(offload, rank: int) -> Callable[[], ShardPlacement]:
-    """Where every stage-3 unit's shard lives between gathers (offload_param): the device, host memory
-    (cpu), or one file per rank under ``nvme_path`` (nvme). Returns a factory of one placement per unit."""
-    device = offload.device if offload is not None else "none"
-    if device == "nvme":
-        param_file = NvmeParamFile(offload.nvme_path, rank)
+def _shard_placement(placement: PlacementPlan, rank: int) -> Callable[[], ShardPlacement]:
+    """Where every stage-3 unit's shard lives between gathers: the device, host memory, or one file per rank
+    under the parameters' ``nvme_path``. Returns a factory of one placement per unit."""
+    if placement.params == "file":
+        assert placement.params_path is not None  # the config requires it for device nvme
+        param_file = NvmeParamFile(placement.params_path, rank)
         return lambda: FilePlacement(param_file)
-    if device == "cpu":
-        pin = bool(offload.pin_memory)
+    if placement.params == "host":
+        pin = placement.params_pin_memory
         return lambda: HostPlacement(pin)
     return DevicePlacement
 
 
-def _check_overflow(cfg: ShardspeedConfig) -> bool:
-    """Skip a step whose global gradient norm is inf/nan: always with fp16 (loss scaling needs it), and in
-    every other dtype unless ``bf16.check_grad_overflow`` is false (DeepSpeed skips such steps at ZeRO
-    stages 1-3 in fp32 and bf16 too)."""
-    return bool(cfg.fp16.enabled) or bool(cfg.bf16.check_grad_overflow)
-
-
-def _accum_dtype(cfg: ShardspeedConfig) -> torch.dtype:
-    name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
-    if name is None:
-        return cfg.train_dtype
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
-def _loss_scaler(cfg: ShardspeedConfig):
-    f = cfg.fp16
+def _loss_scaler(ls: LossScalePlan):
     return build_loss_scaler(
-        fp16_enabled=f.enabled, loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
-        loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
-        consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale,
+        fp16_enabled=ls.enabled, loss_scale=ls.static_scale, initial_scale_power=ls.initial_scale_power,
+        loss_scale_window=ls.window, hysteresis=ls.hysteresis, consecutive_hysteresis=ls.consecutive_hysteresis,
+        min_loss_scale=ls.min_scale,
     )
 
 

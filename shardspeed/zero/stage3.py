@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class ParamManager:
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
         self._hooks: list = []
-        self.master = None  # set by the builder: GatheredParameters writes edits into the master weights
+        self.master: Optional[Any] = None  # set by the builder: GatheredParameters writes edits into the masters
         self._root = root
         self._fwd_uses: List[int] = []  # unit uses in order (with repeats) of the first training forward
         self._recording_uses = True
@@ -508,13 +508,15 @@ def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
     return max(1, min(cap, total // 4))
 
 
-def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, rank: int,
+def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, rank: int,
                        placement: Callable[[], ShardPlacement] = DevicePlacement):
     """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
-    ``placement()`` (device, host or file, as the builder decided). Returns (units, manager)."""
+    ``placement()`` (device, host or file, as the builder decided). ``sharding``: the plan's
+    :class:`~shardspeed.plan.ShardingPlan` (prefetch bucket, persistence threshold, live parameters).
+    Returns (units, manager)."""
     all_params = list(dict.fromkeys(model.parameters()))
     total = sum(_numel(p) for p in all_params)
-    selected = select_units(model, unit_max_numel(total, zero_cfg.prefetch_bucket_size))
+    selected = select_units(model, unit_max_numel(total, sharding.prefetch_bucket))
     units: List[ShardedParamUnit] = []
     owners: List[nn.Module] = []
     for owner, params in selected:
@@ -530,9 +532,9 @@ def build_stage3_units(model: nn.Module, zero_cfg, collectives: Collectives, ran
             owners.append(owner)
     manager = ParamManager(
         units, owners, collectives,
-        prefetch_numel=int(zero_cfg.prefetch_bucket_size),
-        persistence_numel=int(zero_cfg.param_persistence_threshold),
-        max_live_numel=int(zero_cfg.max_live_parameters),
+        prefetch_numel=int(sharding.prefetch_bucket),
+        persistence_numel=int(sharding.persistence_threshold),
+        max_live_numel=int(sharding.max_live_parameters),
         root=model,
     )
     for u in units:

@@ -34,17 +34,6 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Op
     return model
 
 
-def tp_size_for(model: nn.Module, autotp_size: int) -> int:
-    """The model dimension's size: the config's ``autotp_size`` (0/1: none), else tp_model_init's."""
-    recorded = getattr(model, TP_ARGS_ATTR, None)
-    if recorded is None:
-        return max(autotp_size, 1)
-    if autotp_size > 0 and autotp_size != recorded["tp_size"]:
-        raise ConfigError(f"tensor_parallel.autotp_size {autotp_size} disagrees with tp_model_init(tp_size="
-                          f"{recorded['tp_size']}); make them equal or drop one")
-    return int(recorded["tp_size"])
-
-
 @dataclass
 class TensorParallelState:
     group: TPGroup
