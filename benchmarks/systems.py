@@ -33,10 +33,11 @@ class Skip(Exception):
 def ds_config(system: str, micro_batch: int, dtype: str = "fp32") -> Dict[str, Any]:
     """One DeepSpeed-format config, given unchanged to DeepSpeed and to shardspeed. Suffixes of the system's
     name: ``-off`` offloads (optimizer; parameters too at stage 3), ``-dsb`` keeps DeepSpeed's default bucket
-    sizes (no bucket keys: reduce 5e8, prefetch 5e7, persistence 1e5 elements) instead of the suite's 2M."""
+    sizes (no bucket keys: reduce 5e8, prefetch 5e7, persistence 1e5 elements) instead of the suite's 2M,
+    ``-sync`` sets ``overlap_comm`` false (gradient reductions block instead of overlapping backward)."""
     stage = int(system[2])
     flags = set(system.split("-")[1:])
-    zero: Dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    zero: Dict[str, Any] = {"stage": stage, "overlap_comm": "sync" not in flags, "contiguous_gradients": True}
     if "dsb" not in flags:
         zero.update(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
         if stage == 3:
