@@ -8,7 +8,10 @@ torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``
 passes through unchanged; ``--nproc`` is short for ``--nproc-per-node``, and a single-node job with no
 rendezvous or master address given gets ``--standalone`` (a free port, so concurrent jobs on one machine
 do not collide on torchrun's default port 29500). With ``--max-restarts`` > 0 it also sets
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): see :func:`_isolate_restarts`.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): see :func:`_isolate_restarts`. The script runs
+under :mod:`shardspeed.bootstrap`, which records a ShardspeedError instead of printing it on every rank;
+the launcher prints one line per distinct error (:func:`_launch`). ``--full-tracebacks`` (or
+``SHARDSPEED_TRACEBACK=1``) runs the script directly, as torchrun alone would.
 """
 
 from __future__ import annotations
