@@ -112,6 +112,34 @@ def test_model_states_are_the_estimators_and_offload_counts_on_a_cpu_device():
     assert cpu.states(c) == (ref.device + ref.host, ref.host)  # one memory: offloading frees nothing
 
 
+def test_every_candidate_is_priced_as_its_plan():
+    """The cost model prices the plan decide() makes of the candidate's config: model states are
+    shardspeed.estimate.model_states of it, and the step-time terms follow its sharding and placement."""
+    from shardspeed.autotune.model import StepTimeModel, candidate_plan
+    from shardspeed.estimate import model_states
+    from shardspeed.plan import decide
+
+    for c in enumerate_candidates(default_space(16, 2), 16, 2):
+        plan = candidate_plan(INFO, c)
+        assert plan == decide(apply_candidate({"bf16": {"enabled": True},
+                                               "zero_optimization": {"reduce_bucket_size": INFO.default_bucket}},
+                                              c, 2), 2)
+        m = model_states(plan, INFO.num_params)
+        assert StateMemoryModel(INFO).states(c) == (m.device, m.host)
+        o = StepTimeModel(INFO, LINK).overheads(c)
+        assert ("offload_copies" in o) == (plan.placement.optimizer != "device")
+        assert ("param_fetch" in o) == (plan.placement.params != "device")
+    # nothing in the cost model decides from the candidate's stage or offload flags but its variant key
+    import ast
+    import inspect
+
+    import shardspeed.autotune.model as cost
+
+    reads = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(cost))) if isinstance(n, ast.Attribute)
+             and n.attr in ("offload_optimizer", "offload_param", "tp", "grad_accum", "activation_checkpointing")]
+    assert len(reads) == 3  # _variant's key: (stage, offload_optimizer, offload_param, tp)
+
+
 def test_memory_fit_recovers_base_and_activations():
     truth = StateMemoryModel(INFO, base=3e8, act_per_sample=4e7)
     runs = [Measurement(c, truth.predict(c)[0], 1.0) for c in (Candidate(3, 1, 8), Candidate(3, 8, 1))]

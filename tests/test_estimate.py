@@ -27,6 +27,7 @@ from shardspeed.models import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACT = ActivationProfile(0.0, 0.0, 1, 1, False)
+FITTED = ActivationProfile(0.0, 0.0, 1, 1, False, "fitted")  # usable at any TP/PP degree
 
 
 def _spec(psi: float, units=(1,)) -> ModelSpec:
@@ -115,6 +116,138 @@ def test_bad_sizes_raise_config_errors():
         estimate_peak(_spec(1e6), _cfg(1, offload_param={"device": "cpu"}), world_size=2)
     with pytest.raises(ConfigError, match="activations"):
         estimate_peak(ModelSpec("m", (10,), (10,)), _cfg(1), world_size=1)
+
+
+# ---- the plan decides ----------------------------------------------------------------------------------
+
+def test_estimate_prices_the_plan_that_decide_makes():
+    from shardspeed.plan import decide
+
+    spec = _spec(1e6, [1e5] * 10).with_activations(FITTED)
+    cfg = _cfg(3, offload_optimizer={"device": "cpu"}, stage3_prefetch_bucket_size=2e5)
+    assert estimate_peak(spec, plan=decide(cfg, 4)) == estimate_peak(spec, cfg, world_size=4)
+    with pytest.raises(ConfigError, match="plan's mesh"):
+        estimate_peak(spec, cfg, world_size=8, plan=decide(cfg, 4))
+    # tp/pp are model facts: the plan's mesh sizes the data dimension (8 = 2 pipeline x 2 TP x 2 data)
+    split = estimate_peak(spec, _cfg(1), world_size=8, tp=2, pp=2)
+    assert split.model_states["params"] == 1e6 / 4 * 2 and split.model_states["optimizer"] == 1e6 / 4 / 2 * 8
+    # the config's tensor_parallel.autotp_size when tp is not given
+    tp_cfg = {**_cfg(1), "tensor_parallel": {"autotp_size": 2}}
+    assert estimate_peak(spec, tp_cfg, world_size=8) == estimate_peak(spec, _cfg(1), world_size=8, tp=2)
+
+
+def test_pipelined_gradients_are_reduced_at_the_boundary():
+    """In a pipeline the plan reduces stage 2 gradients once per step (reduce_every_micro_step false): the
+    full-size buckets are held, as at stages 0-1, instead of a 1/N accumulator and transient buckets."""
+    spec = _spec(1e6, [1e5] * 10).with_activations(FITTED)
+    flat = estimate_peak(spec, _cfg(2), world_size=4)
+    piped = estimate_peak(spec, _cfg(2), world_size=4, pp=2)
+    assert "grad_buckets" in flat.terms and flat.model_states["grads"] == 1e6 / 4 * 2
+    assert "grad_buckets" not in piped.terms and piped.model_states["grads"] == 1e6 / 2 * 2
+
+
+def test_contradictions_are_decides():
+    spec = _spec(1e6)
+    with pytest.raises(ConfigError, match="zero.Init"):
+        estimate_peak(spec, _cfg(2), world_size=2, zero_init=True)
+    with pytest.raises(ConfigError, match="pipeline.stages 4 disagrees"):
+        estimate_peak(spec, {**_cfg(1), "pipeline": {"stages": 4}}, world_size=4, pp=2)
+    with pytest.raises(ConfigError, match="autotp_size 4 disagrees"):
+        estimate_peak(spec, {**_cfg(1), "tensor_parallel": {"autotp_size": 4}}, world_size=4, tp=2)
+    with pytest.raises(ConfigError, match="offload_optimizer needs stage 1"):
+        estimate_peak(spec, _cfg(0, offload_optimizer={"device": "cpu"}), world_size=2)
+
+
+def test_table_rows_are_the_pairs_decide_accepts():
+    from shardspeed.estimate.table import peak_rows
+
+    spec = _spec(1e6, [1e5] * 10)
+    rows = peak_rows(spec, _cfg(1), world_size=2, zero_init=True)
+    assert {r.stage for r in rows} == {3} and len(rows) == 5  # zero.Init needs stage 3
+    with pytest.raises(ConfigError, match="offload_param needs stage 3"):
+        peak_rows(spec, _cfg(1), world_size=2, stages=[1], offloads=[("cpu", "cpu")])
+
+
+def test_one_home_no_import_cycle():
+    """shardspeed.estimate's modules import one another in one direction; shardspeed.memory_estimate re-exports
+    the same objects."""
+    import ast
+    import pathlib
+
+    import shardspeed.estimate as est
+    import shardspeed.memory_estimate as me
+
+    pkg = pathlib.Path(est.__file__).parent
+    graph = {}
+    for f in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        graph[f.stem] = deps - {None}
+    graph.pop("__init__")
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph.get(a, ()))
+
+    assert not [m for m in graph if reaches(m, m)]
+    for name in ("estimate_model_state_memory", "ModelStateMemory", "estimate_peak", "describe", "ModelSpec"):
+        assert getattr(me, name) is getattr(est, name)
+
+
+SECTIONS = {"zero_optimization", "offload_optimizer", "offload_param", "tensor_parallel", "pipeline",
+            "activation_checkpointing"}
+#: attribute owners that are not configs: a Plan, a Candidate or TuningSpace, argparse's args, a row or a
+#: measurement, an object's own field (the config's own classes are in shardspeed/config)
+NOT_CONFIG = {"plan", "p", "c", "cand", "candidate", "space", "args", "self", "r"}
+
+
+def config_section_reads(root: str = "shardspeed") -> dict:
+    """Modules under ``root`` (outside config/ and plan/) that read the config sections in code, docstrings
+    and comments aside: ``{"reads": {path: lines}, "writes": {path: lines}}``. A read is an attribute load of a
+    section name on an object not in NOT_CONFIG, or ``x["section"]`` / ``x.get("section")``; a write is
+    ``x["section"] = ...``, ``pop`` or ``setdefault`` (the autotuner and the estimate table write configs)."""
+    import ast
+    import pathlib
+
+    def owner(node) -> str:
+        return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+    def chain(node) -> set:
+        names = set()
+        while isinstance(node, ast.Attribute):
+            names.add(node.attr)
+            node = node.value
+        return names
+
+    out: dict = {"reads": {}, "writes": {}}
+    base = pathlib.Path(root)
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base.parent).as_posix()
+        if rel.startswith(("shardspeed/config/", "shardspeed/plan/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            kind = None
+            if isinstance(node, ast.Attribute) and node.attr in SECTIONS and isinstance(node.ctx, ast.Load):
+                if owner(node.value) not in NOT_CONFIG and not chain(node.value) & {"plan", "candidate"}:
+                    kind = "reads"
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in SECTIONS:
+                kind = "reads" if isinstance(node.ctx, ast.Load) else "writes"
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+                  and isinstance(node.args[0], ast.Constant) and node.args[0].value in SECTIONS):
+                kind = {"get": "reads", "pop": "writes", "setdefault": "writes"}.get(node.func.attr)
+            if kind:
+                out[kind].setdefault(rel, []).append(node.lineno)
+    return out
+
+
+def test_the_estimator_and_the_cost_model_read_no_config_section():
+    """Stage, offload, TP, PP and checkpointing are the plan's: shardspeed/estimate and the autotuner's cost
+    model read none of those sections (the estimate table and the ZeRO-paper helper write configs)."""
+    found = config_section_reads(os.path.join(ROOT, "shardspeed"))
+    mine = [p for p in found["reads"] if p.startswith("shardspeed/estimate/")
+            or p in ("shardspeed/memory_estimate.py", "shardspeed/autotune/model.py", "shardspeed/autotune/memory.py")]
+    assert [p for p in mine if p not in found["writes"]] == []
 
 
 # ---- activations ---------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """The cost model: per-rank peak memory and optimizer-step time of a candidate (pure; no process group).
 
+Every candidate is priced as a plan: :func:`candidate_plan` writes its config (:func:`~.space.apply_candidate`)
+and :func:`shardspeed.estimate.plan_for` (``shardspeed.plan.decide``) decides it; the models below read
+partitioning, placement, reductions, gathers, buckets, batch and mesh from that plan, never from the stage or
+offload flags themselves.
+
 Memory (bytes per rank) = ``base`` + model states + working buffers + ``act`` × micro-batch:
 
-- model states: :func:`shardspeed.memory_estimate.estimate_model_state_memory` (exact ZeRO arithmetic);
+- model states: :func:`shardspeed.estimate.model_states` of the candidate's plan (exact ZeRO arithmetic);
   on a CPU "device" the offloaded states stay in the same memory, so they count there too;
 - working buffers: the gradient bucket (stages 0-2) or two gathered units plus one unit's gradients
   (stage 3), and the optimizer step's fp32 temporaries over the rank's optimizer shard;
@@ -32,15 +37,17 @@ copies, with G accumulation steps of micro-batch m at tensor-parallel degree t, 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from shardspeed.memory_estimate import estimate_model_state_memory
+from shardspeed.estimate import model_states, plan_for
+from shardspeed.plan import Plan
 
-from .space import Candidate
+from .space import Candidate, apply_candidate
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Time factor of the per-sample compute with activation checkpointing (one extra forward ≈ 1/3 of fwd+bwd).
@@ -72,12 +79,28 @@ class ModelInfo:
         return _DTYPE_BYTES[self.dtype]
 
     def params_per_rank(self, c: Candidate) -> float:
-        """Parameters a model-parallel rank holds before ZeRO partitions them (the TP slice)."""
-        return self.num_params / c.tp
+        """Parameters a model-parallel rank holds before ZeRO partitions them (the plan's TP × PP slice)."""
+        mesh = candidate_plan(self, c).mesh
+        return self.num_params / (mesh.model * mesh.pipe)
 
     def dp(self, c: Candidate) -> int:
-        """The candidate's data-parallel size (the ranks ZeRO partitions over)."""
-        return c.dp_size(self.world_size)
+        """The candidate's data-parallel size (the ranks ZeRO partitions over: the plan's shard group)."""
+        return candidate_plan(self, c).mesh.shard_size
+
+
+@functools.lru_cache(maxsize=8192)
+def candidate_plan(info: ModelInfo, c: Candidate) -> Plan:
+    """The plan of candidate ``c`` at ``info.world_size`` ranks: ``apply_candidate`` of a config in the
+    job's dtype with its ``reduce_bucket_size``, decided by the estimator's :func:`~shardspeed.estimate.plan_for`."""
+    base: Dict[str, Any] = {"zero_optimization": {"reduce_bucket_size": info.default_bucket}}
+    if info.dtype != "fp32":
+        base[info.dtype] = {"enabled": True}
+    return plan_for(apply_candidate(base, c, info.world_size), info.world_size)
+
+
+def _elem_bytes(plan: Plan) -> int:
+    """Bytes per element of the plan's compute dtype."""
+    return plan.precision.compute.itemsize
 
 
 @dataclass(frozen=True)
@@ -166,24 +189,28 @@ class StateMemoryModel:
     ckpt_share: float = CHECKPOINTED_ACTIVATION_SHARE  # activations kept with checkpointing, a share
     act_prior: Optional[float] = None
 
+    def plan(self, c: Candidate) -> Plan:
+        """The candidate's plan (what every term below reads)."""
+        return candidate_plan(self.info, c)
+
     def states(self, c: Candidate) -> Tuple[float, float]:
-        """(device, host) bytes of parameters, gradients and optimizer states."""
-        m = estimate_model_state_memory(self.info.params_per_rank(c), self.info.dp(c), c.stage, self.info.dtype,
-                                        c.offload_optimizer, c.offload_param)
+        """(device, host) bytes of parameters, gradients and optimizer states: the plan's model states."""
+        m = model_states(self.plan(c), self.info.num_params)
         return (m.device + m.host if self.info.device_is_host else m.device), m.host
 
     def working(self, c: Candidate) -> float:
-        """Bytes of transient buffers: the gradient bucket or the gathered stage-3 units, and the fp32
-        temporaries of the optimizer step over this rank's shard (on the device unless offloaded)."""
-        i, b = self.info, self.info.bytes_per_param
-        psi = i.params_per_rank(c)
-        if c.stage == 3:
-            buf = 3.0 * i.largest_unit / c.tp * b  # the unit in use, the prefetched one, one unit's gradients
+        """Bytes of transient buffers: the gradient bucket or, with partitioned parameters, the gathered units,
+        and the fp32 temporaries of the optimizer step over this rank's shard (on the device unless the plan
+        places the optimizer elsewhere)."""
+        i, p = self.info, self.plan(c)
+        sh, b = p.sharding, _elem_bytes(p)
+        psi = i.num_params / (p.mesh.model * p.mesh.pipe)
+        if sh.partition_parameters:
+            buf = 3.0 * i.largest_unit / p.mesh.model * b  # the unit in use, the prefetched one, one unit's gradients
         else:
-            bucket = c.reduce_bucket_size or i.default_bucket
-            buf = min(bucket, psi) * b
-        shard = psi / (i.dp(c) if c.stage >= 1 else 1)
-        step = 4.0 * shard if (not c.offload_optimizer or i.device_is_host) else 0.0
+            buf = min(sh.reduce_bucket, psi) * b
+        shard = psi / (p.mesh.shard_size if sh.partition_optimizer else 1)
+        step = 4.0 * shard if (p.placement.optimizer == "device" or i.device_is_host) else 0.0
         return buf + step
 
     def structural(self, c: Candidate) -> Tuple[float, float]:
@@ -195,7 +222,8 @@ class StateMemoryModel:
     def variable(self, c: Candidate) -> float:
         """Per-sample activation factor of the candidate (checkpointing keeps ``ckpt_share``, tensor
         parallelism :meth:`tp_share`)."""
-        return c.micro_batch * (self.ckpt_share if c.activation_checkpointing else 1.0) * self.tp_share(c.tp)
+        p = self.plan(c)
+        return p.batch.micro_batch * (self.ckpt_share if p.checkpointing.blocks else 1.0) * self.tp_share(p.mesh.model)
 
     def tp_share(self, tp: int) -> float:
         """Share of a sample's activations a rank keeps at tensor-parallel degree ``tp`` (here 1: the layer
@@ -271,47 +299,57 @@ class StepTimeModel:
         factor = 2.0 if op == "all_reduce" else 1.0
         return calls * latency + factor * (n - 1) / n * nbytes / bandwidth
 
+    def plan(self, c: Candidate) -> Plan:
+        return candidate_plan(self.info, c)
+
+    def _zero_comm(self, p: Plan, psi: float, b: int) -> float:
+        """Seconds of ZeRO's collectives per step over the shard group, as the plan has the engine issue them:
+        gradients reduced (``reduce_op``) every micro-step or once at the boundary; with partitioned
+        parameters every unit gathered twice per micro-step (forward, backward), else the updated
+        parameters gathered once after the step where the plan says so (stages 1-2). Stage 0 all-reduces
+        once per step, stage 1 reduce-scatters once and gathers, stage 2 reduce-scatters every micro-step
+        and gathers once, stage 3 gathers and reduce-scatters every micro-step."""
+        sh, dp, g = p.sharding, p.mesh.shard_size, p.batch.accumulation_steps
+        pbytes = psi * b
+        reductions = g if sh.reduce_every_micro_step else 1
+        if sh.partition_parameters:
+            units = max(self.info.num_units, 1)
+            return (g * self._collective("all_gather", 2 * pbytes, 2 * units, dp)
+                    + reductions * self._collective(sh.reduce_op, pbytes, units, dp))
+        buckets = math.ceil(psi / sh.reduce_bucket)
+        gathers = self._collective("all_gather", pbytes, buckets, dp) if sh.gather_after_step else 0.0
+        return reductions * self._collective(sh.reduce_op, pbytes, buckets, dp) + gathers
+
     def overheads(self, c: Candidate) -> Dict[str, float]:
-        """Modelled seconds per step that the fitted compute does not cover, by cause. Communication as the
-        engine issues it over the data-parallel group: stage 0 all-reduces the accumulated gradients once
-        per step, stage 1 reduce-scatters them once and all-gathers the updated parameters, stage 2
-        reduce-scatters every micro-step (its gradients are partitioned) and gathers once, stage 3 gathers
-        every unit twice (forward, backward) and reduce-scatters its gradients every micro-step. Tensor
-        parallelism all-reduces each layer's activations four times per micro-step over the model group."""
-        i = self.info
-        psi, dp, g = i.params_per_rank(c), i.dp(c), c.grad_accum
-        pbytes = psi * i.bytes_per_param
-        if c.stage == 3:
-            units = max(i.num_units, 1)
-            comm = g * (self._collective("all_gather", 2 * pbytes, 2 * units, dp)
-                        + self._collective("reduce_scatter", pbytes, units, dp))
-        else:
-            buckets = math.ceil(psi / (c.reduce_bucket_size or i.default_bucket))
-            if c.stage == 0:
-                comm = self._collective("all_reduce", pbytes, buckets, dp)
-            else:
-                scatters = g if c.stage == 2 else 1
-                comm = (scatters * self._collective("reduce_scatter", pbytes, buckets, dp)
-                        + self._collective("all_gather", pbytes, buckets, dp))
-        out = {"comm": comm}
-        if c.tp > 1:
-            activations = c.micro_batch * i.tp_elems_per_sample * i.bytes_per_param
-            out["tp_comm"] = g * self._collective("all_reduce", 4 * i.tp_layers * activations, 4 * i.tp_layers, c.tp)
-        shard = psi / (dp if c.stage >= 1 else 1)
-        if c.offload_optimizer:
+        """Modelled seconds per step that the fitted compute does not cover, by cause: ZeRO's communication
+        (:meth:`_zero_comm`); tensor parallelism all-reduces each layer's activations four times per
+        micro-step over the model group; the optimizer step over the rank's shard (on the host where the plan
+        places the optimizer there, plus the copies); fetches of host-placed parameter shards."""
+        i, p = self.info, self.plan(c)
+        b, g, dp, mesh = _elem_bytes(p), p.batch.accumulation_steps, p.mesh.shard_size, p.mesh
+        psi = i.num_params / (mesh.model * mesh.pipe)
+        out = {"comm": self._zero_comm(p, psi, b)}
+        if mesh.model > 1:
+            activations = p.batch.micro_batch * i.tp_elems_per_sample * b
+            out["tp_comm"] = g * self._collective("all_reduce", 4 * i.tp_layers * activations, 4 * i.tp_layers,
+                                                  mesh.model)
+        shard = psi / (dp if p.sharding.partition_optimizer else 1)
+        if p.placement.optimizer != "device":
             out["optimizer"] = shard * self.link.host_adam_s_per_elem
             out["offload_copies"] = 2 * shard * 4 / self.link.copy_bandwidth
         else:
             out["optimizer"] = shard * self.link.adam_s_per_elem
-        if c.offload_param:  # each gather first fetches the shard from the host (forward and backward)
-            out["param_fetch"] = 2 * g * (psi / dp) * i.bytes_per_param / self.link.copy_bandwidth
+        if p.placement.params != "device":  # each gather first fetches the shard from the host (forward and backward)
+            out["param_fetch"] = 2 * g * (psi / dp) * b / self.link.copy_bandwidth
         return out
 
     def features(self, c: Candidate) -> Tuple[float, float]:
         """(micro-steps, samples' compute per rank): tensor parallelism splits each sample's matmuls over
         its ranks; checkpointing recomputes the forward."""
-        r = RECOMPUTE_FACTOR if c.activation_checkpointing else 1.0
-        return float(c.grad_accum), float(c.grad_accum * c.micro_batch) * r / c.tp
+        p = self.plan(c)
+        g = p.batch.accumulation_steps
+        r = RECOMPUTE_FACTOR if p.checkpointing.blocks else 1.0
+        return float(g), float(g * p.batch.micro_batch) * r / p.mesh.model
 
     def predict(self, c: Candidate) -> Tuple[float, Dict[str, float]]:
         g, gm = self.features(c)

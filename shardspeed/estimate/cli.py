@@ -46,8 +46,7 @@ def peak_command(args: argparse.Namespace) -> int:
                      micro_batch=mb, seq_len=args.seq_len, checkpointing=args.checkpointing,
                      zero_init=args.zero_init)
     if not rows:
-        raise ConfigError(f"no valid stage/offload combination for stage {args.stage}: optimizer offload needs "
-                          f"stage 1-3, parameter offload stage 3")
+        raise ConfigError(f"no stage/offload combination to estimate for stage {args.stage}")
     if args.json:
         print(json.dumps({"model": spec.name, "num_params": spec.num_params, "world_size": args.world,
                           "tp": args.tp, "pp": args.pp, "micro_batch": mb, "rows": rows_json(rows)}, indent=2,

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from .activations import ActivationProfile, TransformerShape, trace_activations
+from .planning import prefetch_bucket, train_dtype
 
 
 @dataclass(frozen=True)
@@ -43,23 +44,18 @@ class ModelSpec:
         return dataclasses.replace(self, activations=profile)
 
 
-def _prefetch_bucket(config: Any) -> int:
-    from .peak import zero_section
-
-    return int(zero_section(config).prefetch_bucket_size)
-
-
 def describe_module(model: nn.Module, config: Any = None, name: str = "", shape: Optional[TransformerShape] = None
                     ) -> ModelSpec:
     """Sizes of ``model`` (any device, ``meta`` included); stage-3 units as the engine would choose them for
-    ``config`` (a DeepSpeed-style dict, a path or a ShardspeedConfig; default: DeepSpeed's defaults)."""
+    ``config`` (a DeepSpeed-style dict, a path or a ShardspeedConfig; default: DeepSpeed's defaults): units are
+    bounded by the plan's stage-3 prefetch bucket."""
     from ..zero.stage3 import _numel, select_units, unit_max_numel
 
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     if not params:
         raise ConfigError(f"model {name or type(model).__name__} has no trainable parameters to estimate")
     total = sum(_numel(p) for p in params)
-    units = select_units(model, unit_max_numel(total, _prefetch_bucket(config)))
+    units = select_units(model, unit_max_numel(total, prefetch_bucket(config)))
     # units in forward order: select_units walks the tree top-down, the root's own unit last
     sizes = tuple(sum(_numel(p) for p in ps if p.requires_grad) for _, ps in units)
     return ModelSpec(name or type(model).__name__, tuple(_numel(p) for p in params),
@@ -80,14 +76,8 @@ def describe_gpt(cfg, config: Any = None, *, micro_batch: Optional[int] = None, 
     spec = describe_module(model, config, name=f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", shape=shape)
     if micro_batch and trace:
         spec = _with_traced_tokens(spec, lambda: GPT(cfg), micro_batch, seq_len or cfg.block_size, checkpointing,
-                                   dtype or _train_dtype(config))
+                                   dtype or train_dtype(config))
     return spec
-
-
-def _train_dtype(config: Any) -> torch.dtype:
-    from .peak import parse
-
-    return parse(config).train_dtype
 
 
 def describe_hf_config(path: str, config: Any = None, *, micro_batch: Optional[int] = None,
@@ -123,7 +113,7 @@ def describe_hf_config(path: str, config: Any = None, *, micro_batch: Optional[i
 
         spec = spec.with_activations(trace_activations(lambda: AutoModelForCausalLM.from_config(hf), batch,
                                                        micro_batch, seq_len=s, checkpointing=checkpointing,
-                                                       dtype=dtype or _train_dtype(config)))
+                                                       dtype=dtype or train_dtype(config)))
     return spec
 
 
@@ -160,7 +150,7 @@ def describe_factory(target: str, config: Any = None, *, micro_batch: Optional[i
     spec = describe_module(model, config, name=target, shape=shape)
     if micro_batch and trace and shape is not None:
         spec = _with_traced_tokens(spec, fn, micro_batch, seq_len or shape.max_seq, checkpointing,
-                                   dtype or _train_dtype(config))
+                                   dtype or train_dtype(config))
     return spec
 
 

@@ -1,22 +1,24 @@
 """Per-rank peak memory of a training step: model states + gradient buckets + gathered units + activations.
 
-:func:`estimate_peak` is pure arithmetic over a :class:`~.model.ModelSpec` and a config; it mirrors what the
-engine allocates (see docs/memory.md for each term and where in the code it comes from):
+:func:`estimate_peak` prices a :class:`~shardspeed.plan.Plan` (made by :func:`shardspeed.plan.decide` from the
+config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors what the engine allocates
+(see docs/memory.md for each term and where in the code it comes from). Every decision is the plan's:
 
-- parameters: stages 0-2 hold the whole flat model in the training dtype; stage 3 a 1/N shard (in host memory
-  with ``offload_param: cpu``, in a file with ``nvme``).
-- gradients: stages 0-1 keep full-size flat buckets (the training dtype) across micro-steps; stages 2-3 keep a
-  1/N accumulator and, during backward, at most three full-size unit buckets (two reductions in flight and
-  one filling). Units are ``reduce_bucket_size`` groups of parameters at stages 0-2 and the stage-3 units.
-- master weights: a separate fp32 shard unless training is fp32 without any offload (then the parameter shard
-  *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on the shard. Both move to
-  host memory with ``offload_optimizer: cpu`` (plus two fp32 gradient tiles of ``sub_group_size``) or to
-  files with ``nvme`` (plus the streaming pool, ``buffer_count`` × 3 tiles).
+- parameters: unpartitioned (stages 0-2) the whole flat model in the compute dtype; partitioned (stage 3) a 1/N
+  shard, where ``placement.params`` puts it (the device, the host, a file).
+- gradients: reduced only at the accumulation boundary (stages 0-1, and 2-3 in a pipeline) the full-size flat
+  buckets in the accumulation dtype, kept across micro-steps; reduced every micro-step (stages 2-3) a 1/N
+  accumulator and, during backward, at most three full-size unit buckets (two reductions in flight and one
+  filling). Units are ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
+- master weights: a separate fp32 shard unless the compute dtype is the master's and nothing is offloaded
+  (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
+  the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of
+  ``tile_elems``) or files (plus the streaming pool, ``buffer_count`` × 3 tiles).
 - stage 3 gathered units: the root's unit (kept from forward to backward), the unit in use and the prefetch
-  window (``stage3_prefetch_bucket_size`` elements ahead, within ``stage3_max_live_parameters``), and units
-  under ``stage3_param_persistence_threshold`` (kept gathered).
+  window (``prefetch_bucket`` elements ahead, within ``max_live_parameters``), and units under
+  ``persistence_threshold`` (kept gathered).
 - activations: a traced :class:`~.activations.ActivationProfile` (exact for that model and shape) or the
-  Korthikanti formulas; with a pipeline, ``min(pp, gradient_accumulation_steps)`` micro-batches in flight.
+  Korthikanti formulas; with a pipeline, ``min(pp, accumulation_steps)`` micro-batches in flight.
 - start-up: the model is built whole on every rank (its parameters in the dtype it was built in) and the
   flat buffers are filled unit by unit, unless it was built under ``zero.Init`` (then one shard plus the
   largest parameter being assembled).
@@ -26,28 +28,20 @@ engine allocates (see docs/memory.md for each term and where in the code it come
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import ConfigError
+from ..plan import MeshPlan, Plan
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
+from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, parse, plan_for
+from .states import estimate_model_state_memory
 
-#: fp32 optimizer-state bytes per parameter element, by optimizer name (lower case)
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "fusedadam": 8, "cpuadam": 8, "onebitadam": 8,
-                         "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4}
+__all__ = ["OPTIMIZER_STATE_BYTES", "PeakEstimate", "estimate_peak", "paper_table"]
 
-
-def parse(config: Any):
-    """A ShardspeedConfig from a dict, a JSON path, a ShardspeedConfig or None (DeepSpeed's defaults)."""
-    from ..config import parse_config
-
-    return parse_config({"train_micro_batch_size_per_gpu": 1} if config is None else config)
-
-
-def zero_section(config: Any):
-    return parse(config).zero_optimization
+Terms = Dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -88,6 +82,22 @@ class PeakEstimate:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """Elements and bytes per element one rank works with: ``psi`` its model-parallel slice, ``shard`` the
+    optimizer's share of it, ``units`` the slice's units (flat buckets or stage-3 units)."""
+
+    psi: float
+    n_dp: int
+    shard: float
+    units: List[float]
+    t_b: int
+    g_b: int
+    o_b: int
+    gas: int
+    act: ActivationProfile
+
+
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -121,110 +131,135 @@ def _gathered_stage3(units, prefetch: int, max_live: int, persistence: int) -> f
     return float(min(sum(units), root + largest + window + persistent))
 
 
-def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, tp: int = 1, pp: int = 1,
-                  micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
+def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, tp: Optional[int] = None,
+                  pp: Optional[int] = None, micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
                   checkpointing: Optional[bool] = None, zero_init: bool = False,
-                  built_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> PeakEstimate:
+                  built_dtype: torch.dtype = torch.float32, sequence_parallel: Optional[bool] = None,
+                  mesh: Optional[MeshPlan] = None, plan: Optional[Plan] = None) -> PeakEstimate:
     """Per-rank peak bytes (device, host) for training ``spec`` with ``config`` on ``world_size`` ranks split
-    into ``tp`` tensor-parallel × ``pp`` pipeline × data-parallel ranks.
+    into ``tp`` tensor-parallel × ``pp`` pipeline × data-parallel ranks: the price of
+    :func:`~.planning.plan_for` (``decide`` with the model facts ``tp`` and ``pp``; None or 1 leave them to
+    the config's ``tensor_parallel.autotp_size`` and ``pipeline.stages``; ``mesh``: sizes from elsewhere).
+    ``plan``: price this plan instead (``config`` then only names the optimizer; the sizes are the plan's).
 
-    ``micro_batch`` (default: the config's ``train_micro_batch_size_per_gpu``, else the traced profile's) and
-    ``seq_len`` (default: the profile's, else the model's positions) size the activations; ``checkpointing``
-    (default: the profile's setting) recomputes each transformer block in backward. ``zero_init``: the model is
-    built under ``shardspeed.zero.Init`` (never whole); ``built_dtype``: the dtype the model is built in.
-    Raises ConfigError for sizes that do not divide or a model with neither a profile nor a shape."""
-    cfg = parse(config)
-    z = cfg.zero_optimization
-    stage = int(z.stage)
-    if world_size < 1 or tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ConfigError(f"world_size {world_size} must be a positive multiple of tp × pp = {tp} × {pp}")
-    n_dp = world_size // (tp * pp)
-    psi = spec.num_params / (tp * pp)
-    t_b = _dtype_bytes(cfg.train_dtype)
-    g_b = _dtype_bytes(_accum_dtype(cfg))
-    oo, op = z.offload_optimizer, z.offload_param
-    oo_dev = oo.device if oo is not None else "none"
-    op_dev = op.device if op is not None else "none"
-    if oo_dev != "none" and stage == 0:
-        raise ConfigError("offload_optimizer needs zero_optimization.stage 1, 2 or 3")
-    if op_dev != "none" and stage != 3:
-        raise ConfigError("offload_param needs zero_optimization.stage 3")
-    shard = psi / n_dp if stage >= 1 else psi
-    opt_name = (cfg.optimizer.type.lower() if cfg.optimizer is not None else "adamw")
-    o_b = OPTIMIZER_STATE_BYTES.get(opt_name, 8)
+    ``micro_batch`` (default: the plan's) and ``seq_len`` (default: the profile's, else the model's positions)
+    size the activations; ``checkpointing`` (default: the config's ``activation_checkpointing`` when it has
+    one, else the profile's setting) recomputes each transformer block in backward; ``sequence_parallel``
+    (default: the plan's). ``zero_init``: the model is built under ``shardspeed.zero.Init`` (never whole);
+    ``built_dtype``: the dtype the model is built in. Raises ConfigError for sizes that do not divide, the
+    plan's contradictions, or a model with neither a profile nor a shape."""
+    prof = spec.activations
+    cfg = parse(config, micro_batch or (prof.micro_batch if prof else 1))  # parsed once
+    if plan is None:
+        plan = plan_for(cfg, world_size, tp=tp, pp=pp, mesh=mesh, zero_init=zero_init)
+    elif world_size not in (1, plan.mesh.world) or tp is not None or pp is not None or mesh is not None:
+        raise ConfigError("estimate_peak(plan=...) prices the plan's mesh; leave world_size, tp, pp and mesh out")
+    sizes = _sizes(spec, plan, optimizer_state_bytes(cfg),
+                   _activations(spec, plan, micro_batch, seq_len, checkpointing, sequence_parallel))
+    held, nvme = _held(plan, sizes)
+    backward, step = _backward(plan, sizes, held), _step(plan, sizes, held)
+    _offload_buffers(plan, sizes, (held, backward, step))
+    s_dev, s_host = _startup(spec, sizes, built_dtype, zero_init, held)
+    return _peak({"backward": backward, "step": step}, s_dev, s_host, nvme, sizes.act.source)
 
-    units = (list(spec.stage3_units) if stage == 3
-             else _bucket_sizes(spec.param_numels, int(z.reduce_bucket_size)))
-    units = [u / (tp * pp) for u in units]
-    act = _activations(spec, cfg, micro_batch, seq_len, checkpointing, tp, pp, sequence_parallel, t_b)
-    gas = int(cfg.gradient_accumulation_steps or 1)
 
-    held: Dict[str, float] = {}  # held through the whole step
-    # parameters
-    if stage < 3:
-        held["params"] = psi * t_b
-    elif op_dev == "none":
-        held["params"] = psi / n_dp * t_b
-    elif op_dev == "cpu":
-        held["params_host"] = psi / n_dp * t_b
-    # master weights and optimizer states
-    separate_master = cfg.train_dtype != torch.float32 or oo_dev != "none" or op_dev != "none"
-    master = shard * 4 if separate_master else 0.0
-    states = shard * o_b
+def _sizes(spec: ModelSpec, plan: Plan, o_b: int, act: ActivationProfile) -> _Sizes:
+    sh, pr = plan.sharding, plan.precision
+    split = plan.mesh.model * plan.mesh.pipe
+    psi = spec.num_params / split
+    units = (list(spec.stage3_units) if sh.partition_parameters
+             else _bucket_sizes(spec.param_numels, sh.reduce_bucket))
+    n_dp = plan.mesh.shard_size
+    return _Sizes(psi=psi, n_dp=n_dp, shard=psi / n_dp if sh.partition_optimizer else psi,
+                  units=[u / split for u in units], t_b=_dtype_bytes(pr.compute), g_b=_dtype_bytes(pr.accumulate),
+                  o_b=o_b, gas=plan.batch.accumulation_steps, act=act)
+
+
+def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
+    """Bytes held through the whole step (and NVMe bytes): parameters, master weights, optimizer states and,
+    where gradients are reduced only at the boundary, the full-size gradient buckets."""
+    sh, where, pr = plan.sharding, plan.placement, plan.precision
+    held: Terms = {}
     nvme = 0.0
-    if oo_dev == "none":
+    if not sh.partition_parameters:
+        held["params"] = z.psi * z.t_b
+    elif where.params == "device":
+        held["params"] = z.psi / z.n_dp * z.t_b
+    elif where.params == "host":
+        held["params_host"] = z.psi / z.n_dp * z.t_b
+    else:
+        nvme += z.psi / z.n_dp * z.t_b
+    separate_master = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
+    master = z.shard * 4 if separate_master else 0.0
+    states = z.shard * z.o_b
+    if where.optimizer == "device":
         held["master"], held["optimizer"] = master, states
-    elif oo_dev == "cpu":
+    elif where.optimizer == "host":
         held["master_host"], held["optimizer_host"] = master, states
     else:
-        nvme += shard * (4 + o_b)
-    if op_dev == "nvme":
-        nvme += psi / n_dp * t_b
-    # gradients: stages 0-1 keep full buckets; stages 2-3 a 1/N accumulator (created at the end of the first
-    # backward of a step, so present in a backward only with gradient accumulation) and transient buckets
-    accumulator = psi / n_dp * g_b
-    if stage <= 1:
-        held["grads"] = psi * g_b
+        nvme += z.shard * (4 + z.o_b)
+    if not sh.reduce_every_micro_step:
+        held["grads"] = z.psi * z.g_b
+    return held, nvme
 
-    backward = dict(held)
-    if stage >= 2:
-        if gas > 1:
-            backward["grads"] = accumulator
-        backward["grad_buckets"] = _buckets_at_peak(units, g_b, act.forward_bytes)
-    if stage == 3:
-        gathered = _gathered_stage3(units, int(z.prefetch_bucket_size), int(z.max_live_parameters),
-                                    int(z.param_persistence_threshold))
-        backward["gathered"] = gathered * t_b
-        if op_dev != "none":
-            backward["gather_staging_host"] = max(units) / n_dp * t_b
-    backward["activations"] = act.peak_bytes
 
-    step = dict(held)
-    if stage >= 2:
-        step["grads"] = accumulator
-    if cfg.train_dtype != torch.float32 or g_b != 4:  # gradients converted to fp32 one unit at a time
-        step["grad_fp32"] = max(units) / (n_dp if stage >= 1 else 1) * 4
-    if oo_dev == "cpu":  # the host copier's two fp32 gradient slots, resident once the first step used them
-        held["offload_buffers_host"] = backward["offload_buffers_host"] = step["offload_buffers_host"] = \
-            _copier_slots(units, n_dp if stage >= 1 else 1, float(z.sub_group_size))
-    elif oo_dev == "nvme":
-        tile = min(float(z.sub_group_size), shard)
-        # the pool (buffer_count x 3 tiles) and the copier's gradient slots are held from the start; in the step two
-        # more fp32 tiles are in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)
-        pool = max(1, oo.buffer_count) * 3 * tile * 4 + _copier_slots(units, n_dp, float(z.sub_group_size))
+def _backward(plan: Plan, z: _Sizes, held: Terms) -> Terms:
+    """The start of a backward: the held terms, gradient buckets, gathered stage-3 units, activations. The
+    1/N accumulator of stages 2-3 is created at the end of the first backward of a step, so it is present
+    in a backward only with gradient accumulation."""
+    sh = plan.sharding
+    out = dict(held)
+    if sh.reduce_every_micro_step:
+        if z.gas > 1:
+            out["grads"] = z.psi / z.n_dp * z.g_b
+        out["grad_buckets"] = _buckets_at_peak(z.units, z.g_b, z.act.forward_bytes)
+    if sh.partition_parameters:
+        gathered = _gathered_stage3(z.units, sh.prefetch_bucket, sh.max_live_parameters, sh.persistence_threshold)
+        out["gathered"] = gathered * z.t_b
+        if plan.placement.params != "device":
+            out["gather_staging_host"] = max(z.units) / z.n_dp * z.t_b
+    out["activations"] = z.act.peak_bytes
+    return out
+
+
+def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
+    """The optimizer step: the held terms, the 1/N accumulator, and below fp32 one unit's gradients converted
+    to fp32 at a time."""
+    pr = plan.precision
+    out = dict(held)
+    if plan.sharding.reduce_every_micro_step:
+        out["grads"] = z.psi / z.n_dp * z.g_b
+    if pr.compute != pr.master or pr.accumulate != pr.master:
+        out["grad_fp32"] = max(z.units) / plan.sharding.unit_world * 4
+    return out
+
+
+def _offload_buffers(plan: Plan, z: _Sizes, phases: Sequence[Terms]) -> None:
+    """Adds ``offload_buffers_host`` to ``(held, backward, step)``: with optimizer states on the host, the
+    copier's two fp32 gradient slots (resident once the first step used them); in files, the streaming pool
+    (``buffer_count`` × 3 tiles) and the copier's slots from the start, and in the step two more fp32 tiles
+    in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)."""
+    where = plan.placement
+    held, backward, step = phases
+    if where.optimizer == "host":
+        slots = _copier_slots(z.units, plan.sharding.unit_world, float(where.tile_elems))
+        held["offload_buffers_host"] = backward["offload_buffers_host"] = step["offload_buffers_host"] = slots
+    elif where.optimizer == "file":
+        tile = min(float(where.tile_elems), z.shard)
+        pool = max(1, where.buffer_count) * 3 * tile * 4 + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
         held["offload_buffers_host"] = backward["offload_buffers_host"] = pool
         step["offload_buffers_host"] = pool + 2 * tile * 4
 
-    s_dev, s_host = _startup(spec, psi, shard, units, stage, n_dp, t_b, built_dtype, zero_init, held)
-    phases = {"backward": backward, "step": step}
+
+def _peak(phases: Dict[str, Terms], s_dev: float, s_host: float, nvme: float, source: str) -> PeakEstimate:
     peak_phase = max(phases, key=lambda k: _split(phases[k])[0] + _split(phases[k])[1])
     device = max(_split(p)[0] for p in phases.values())
     host = max(_split(p)[1] for p in phases.values())
+    states = {k: v for k, v in phases["step"].items()
+              if k.split("_host")[0] in ("params", "grads", "master", "optimizer")}
     return PeakEstimate(device=max(device, s_dev), host=max(host, s_host), terms=dict(phases[peak_phase]),
-                        phase=peak_phase, model_states={k: v for k, v in step.items() if k.split("_host")[0] in
-                                                        ("params", "grads", "master", "optimizer")},
-                        startup_device=s_dev, startup_host=s_host, nvme=nvme,
-                        activations_source=act.source)
+                        phase=peak_phase, model_states=states, startup_device=s_dev, startup_host=s_host,
+                        nvme=nvme, activations_source=source)
 
 
 def _copier_slots(units, n_dp: int, sub_group: float) -> float:
@@ -236,7 +271,7 @@ def _copier_slots(units, n_dp: int, sub_group: float) -> float:
     return min(2, tiles) * min(sub_group, max(shards)) * 4
 
 
-def _split(terms: Dict[str, float]):
+def _split(terms: Terms) -> Tuple[float, float]:
     host = sum(v for k, v in terms.items() if k.endswith("_host"))
     return sum(terms.values()) - host, host
 
@@ -252,19 +287,19 @@ def _buckets_at_peak(units, g_b: int, act_forward: float) -> float:
     return u + max(0.0, min(2, len(units) - 1) * (u - per_unit))
 
 
-def _accum_dtype(cfg) -> torch.dtype:
-    name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
-    if name is None:
-        return cfg.train_dtype
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
-def _activations(spec: ModelSpec, cfg, micro_batch, seq_len, checkpointing, tp, pp, sp, t_b) -> ActivationProfile:
+def _activations(spec: ModelSpec, plan: Plan, micro_batch: Optional[int], seq_len: Optional[int],
+                 checkpointing: Optional[bool], sequence_parallel: Optional[bool]) -> ActivationProfile:
     prof = spec.activations
-    mb = micro_batch or cfg.train_micro_batch_size_per_gpu or (prof.micro_batch if prof else 1)
-    ckpt = checkpointing if checkpointing is not None else (prof.checkpointing if prof else False)
-    gas = cfg.gradient_accumulation_steps or 1
-    in_flight = min(pp, gas) if pp > 1 else 1
+    tp, pp = plan.mesh.model, plan.mesh.pipe
+    mb = micro_batch or plan.batch.micro_batch
+    if checkpointing is not None:
+        ckpt = checkpointing
+    elif plan.checkpointing.configure:
+        ckpt = plan.checkpointing.blocks
+    else:
+        ckpt = prof.checkpointing if prof else False
+    sp = plan.tensor_parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
+    in_flight = min(pp, plan.batch.accumulation_steps) if pp > 1 else 1
     usable = prof is not None and prof.checkpointing == ckpt and (
         prof.source == "fitted" or (tp == 1 and pp == 1 and (seq_len is None or seq_len == prof.seq_len)))
     if usable:
@@ -274,25 +309,24 @@ def _activations(spec: ModelSpec, cfg, micro_batch, seq_len, checkpointing, tp, 
         raise ConfigError(f"cannot size the activations of {spec.name}: no traced profile for micro-batch {mb}, "
                           f"checkpointing {ckpt}, and no transformer shape for the formulas")
     s = seq_len or (prof.seq_len if prof else spec.shape.max_seq)
-    return formula_activations(spec.shape, int(mb), int(s), t_b, checkpointing=ckpt, tp=tp, pp=pp,
-                               in_flight=in_flight, sequence_parallel=sp)
+    return formula_activations(spec.shape, int(mb), int(s), _dtype_bytes(plan.precision.compute),
+                               checkpointing=ckpt, tp=tp, pp=pp, in_flight=in_flight, sequence_parallel=sp)
 
 
-def _startup(spec: ModelSpec, psi, shard, units, stage, n_dp, t_b, built_dtype, zero_init, terms):
+def _startup(spec: ModelSpec, z: _Sizes, built_dtype: torch.dtype, zero_init: bool, held: Terms
+             ) -> Tuple[float, float]:
     """(device, host) bytes while the engine is built (before the first step)."""
     b_b = _dtype_bytes(built_dtype)
-    largest = max(units) if units else 0.0
-    host = terms.get("master_host", 0.0) + terms.get("params_host", 0.0)
+    largest = max(z.units) if z.units else 0.0
+    host = held.get("master_host", 0.0) + held.get("params_host", 0.0)
     if zero_init:  # shards only, plus one whole parameter being assembled
-        return (shard + max(spec.param_numels)) * b_b, host
+        return (z.shard + max(spec.param_numels)) * b_b, host
     # the whole model exists on every rank while each unit's flat buffer (stages 0-2) or shard (stage 3) is
     # cut from it; a unit's original tensors are freed once it is built
-    return psi * b_b + largest * t_b, host
+    return z.psi * b_b + largest * z.t_b, host
 
 
 def paper_table(num_params: float = 7.5e9, world_size: int = 64) -> Dict[int, float]:
     """The ZeRO paper's model-state bytes per device for mixed-precision Adam (stage → bytes):
     16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (120, 31.4, 16.6, 1.9 GB at Ψ = 7.5B, N = 64)."""
-    from ..memory_estimate import estimate_model_state_memory
-
     return {s: estimate_model_state_memory(num_params, world_size, s, "bf16").device for s in range(4)}

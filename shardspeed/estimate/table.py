@@ -5,6 +5,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..errors import ConfigError
 from .model import ModelSpec
 from .peak import PeakEstimate, estimate_peak
 
@@ -48,14 +49,21 @@ def config_for(base: Dict[str, Any], stage: int, optim: str, param: str, nvme_pa
 
 def peak_rows(spec: ModelSpec, base: Dict[str, Any], *, world_size: int, stages: Sequence[int] = (0, 1, 2, 3),
               offloads: Optional[Sequence[Tuple[str, str]]] = None, **kwargs) -> List[PeakRow]:
-    """An estimate for every valid (stage, offload) pair; ``kwargs`` go to :func:`estimate_peak`."""
-    rows = []
+    """An estimate for every (stage, offload) pair whose plan :func:`shardspeed.plan.decide` accepts (optimizer
+    offload needs stages 1-3, parameter offload stage 3, ``zero_init`` stage 3); ``kwargs`` go to
+    :func:`estimate_peak`. Raises the first pair's ConfigError when no pair is accepted."""
+    rows: List[PeakRow] = []
+    first: Optional[ConfigError] = None
     for stage in stages:
         for optim, param in offloads or OFFLOADS:
-            if (optim != "none" and stage == 0) or (param != "none" and stage != 3):
+            try:
+                est = estimate_peak(spec, config_for(base, stage, optim, param), world_size=world_size, **kwargs)
+            except ConfigError as e:  # a contradiction of this pair (or of every pair: raised below)
+                first = first or e
                 continue
-            est = estimate_peak(spec, config_for(base, stage, optim, param), world_size=world_size, **kwargs)
             rows.append(PeakRow(stage, optim, param, est))
+    if not rows and first is not None:
+        raise first
     return rows
 
 
