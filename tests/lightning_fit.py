@@ -21,6 +21,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from shardspeed.integrations.lightning import ShardspeedStrategy  # noqa: E402
+from shardspeed.zero.tags import init_shard_of  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -37,7 +38,7 @@ class Net(L.LightningModule):
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
                                            torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
             # stage 3: built under shardspeed.zero.Init, so each parameter holds only this rank's shard
-            self.built_sharded = all(hasattr(p, "_shardspeed_init") for p in self.net.parameters())
+            self.built_sharded = all(init_shard_of(p) is not None for p in self.net.parameters())
 
     def training_step(self, batch, batch_idx):
         x, y = batch

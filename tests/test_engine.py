@@ -208,6 +208,7 @@ def _zero_init_case():
     import shardspeed
     import shardspeed.zero
     from shardspeed.models.gpt import GPT, GPTConfig
+    from shardspeed.zero.tags import init_shard_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _cfg(3)
@@ -220,7 +221,7 @@ def _zero_init_case():
             with shardspeed.zero.Init(config=cfg):
                 model = GPT(gcfg)
             out["held_elements_after_init"] = sum(p.data.numel() for p in model.parameters())
-            out["shard_elements"] = sum(p._shardspeed_init.shard.numel() for p in model.parameters())
+            out["shard_elements"] = sum(init_shard_of(p).shard.numel() for p in model.parameters())
         else:
             model = GPT(gcfg)
             out["full_elements"] = sum(p.numel() for p in model.parameters())

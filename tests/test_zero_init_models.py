@@ -90,6 +90,7 @@ def _compare(model, ref):
 def _cases(dirs):
     import shardspeed
     from shardspeed.errors import CheckpointError
+    from shardspeed.zero.tags import init_shard_of
 
     out = {}
     # peak RSS while loading the big checkpoint under zero.Init, against a plain from_pretrained
@@ -103,7 +104,7 @@ def _cases(dirs):
     with shardspeed.zero.Init():
         big = GPT2LMHeadModel.from_pretrained(dirs["big"])
     for p in big.parameters():
-        float(p._shardspeed_init.shard.sum())
+        float(init_shard_of(p).shard.sum())
     out["zinit_peak_kb"] = _hwm_kb() - base
     out["big_held"] = sum(p.data.numel() for p in big.parameters())
     del big
@@ -126,7 +127,7 @@ def _cases(dirs):
             model = build()
         after = torch.rand(4)
         held = sum(p.data.numel() for p in model.parameters())
-        sharded = all(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters())
+        sharded = all(init_shard_of(p) is not None for p in model.parameters())
         out[name] = {**_compare(model, ref), "held": held, "sharded": sharded,
                      "same_rng": torch.equal(after, after_ref)}
 

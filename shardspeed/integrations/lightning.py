@@ -334,6 +334,8 @@ class ShardspeedStrategy(DDPStrategy):
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
+        from ..zero.tags import init_shard_of
+
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -342,7 +344,7 @@ class ShardspeedStrategy(DDPStrategy):
             self.model = self.engine  # fit, then validate/test/predict with the same trainer
         elif trainer.state.fn == TrainerFn.FITTING:
             self._build_engine(trainer, module)
-        elif any(getattr(p, "_shardspeed_init", None) is not None for p in module.parameters()):
+        elif any(init_shard_of(p) is not None for p in module.parameters()):
             # evaluation of a module built sharded (configure_model at stage 3): an engine gathers its
             # parameters layer by layer; its optimizer never steps
             self._build_engine(trainer, module, evaluation=True)

@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
+from .tags import init_shard_of, unit_of
 from .unit import UnitState
 
 
@@ -19,10 +20,10 @@ def _as_list(params) -> list:
 def _units_of(params) -> list:
     seen, out = set(), []
     for p in params:
-        info = getattr(p, "_shardspeed_unit", None)
-        if info is None:
+        tag = unit_of(p)
+        if tag is None:
             continue  # not a stage-3 parameter: already whole, nothing to gather
-        unit, _, manager = info
+        unit, manager = tag.unit, tag.manager
         if unit.index not in seen:
             seen.add(unit.index)
             out.append((unit, manager))
@@ -31,11 +32,9 @@ def _units_of(params) -> list:
 
 def _init_sharded(params) -> list:
     """Parameters built under ``zero.Init`` that no engine has taken yet (sharded one by one), once each."""
-    from .init import init_shard_of
-
     seen, out = set(), []
     for p in params:
-        if init_shard_of(p) is not None and id(p) not in seen and getattr(p, "_shardspeed_unit", None) is None:
+        if init_shard_of(p) is not None and id(p) not in seen and unit_of(p) is None:
             seen.add(id(p))
             out.append(p)
     return out
@@ -51,7 +50,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
     Parameters built under ``zero.Init`` and not yet in an engine are gathered one by one the same way.
     Parameters of stages 0-2 are always whole: the context then does nothing. Every rank must enter it.
     """
-    from .init import active_init, init_shard_of
+    from .init import active_init
 
     params = _as_list(params) if enabled else []
     units = _units_of(params)

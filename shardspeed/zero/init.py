@@ -42,6 +42,7 @@ from ..dist.comms import Collectives
 from ..dist.init import init_distributed
 from ..dist.topology import Topology
 from ..errors import CheckpointError, ShardspeedError
+from .tags import init_shard_of, is_sharded, tag_init_shard, unit_of  # init_shard_of: also imported from here
 
 
 @dataclass
@@ -85,15 +86,11 @@ class InitShard:
         return out[: self.numel].view(self.shape)
 
 
-def init_shard_of(p: torch.Tensor) -> Optional[InitShard]:
-    return getattr(p, "_shardspeed_init", None)
-
-
 def _shard_parameter(p: nn.Parameter, world: int, rank: int, dtype: Optional[torch.dtype], device,
                      collectives: Optional[Collectives] = None) -> Optional[InitShard]:
     """Keep this rank's slice of ``p`` and leave an empty placeholder in ``p.data``; the new record, or
     None when ``p`` was sharded already."""
-    if init_shard_of(p) is not None or getattr(p, "_shardspeed_unit", None) is not None:
+    if is_sharded(p):
         return None
     if p.is_meta:
         raise ShardspeedError(
@@ -104,7 +101,7 @@ def _shard_parameter(p: nn.Parameter, world: int, rank: int, dtype: Optional[tor
     shard = torch.zeros(chunk, dtype=target_dtype, device=device)
     info = InitShard(p.shape, p.numel(), world, rank, shard, collectives)
     info.write_full(p.data)
-    p._shardspeed_init = info  # type: ignore[attr-defined]  # a tag read back by init_shard_of
+    tag_init_shard(p, info)
     p.data = torch.empty(0, dtype=target_dtype, device=device)
     return info
 
@@ -227,7 +224,7 @@ class Init:
 
     # ---- inside the context ----------------------------------------------------------------------------
     def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]):
-        if param is None or init_shard_of(param) is not None or getattr(param, "_shardspeed_unit", None):
+        if param is None or is_sharded(param):
             return None
         self._flush()
         dtype, device = param.dtype, param.device
@@ -357,11 +354,11 @@ def _check_sharded_state_dict(module, state_dict, prefix, local_metadata) -> Non
     for name, p in module.named_parameters(recurse=False):
         t = state_dict.get(prefix + name)
         info = init_shard_of(p)
-        sharded = info is not None or getattr(p, "_shardspeed_unit", None) is not None
+        sharded = info is not None or unit_of(p) is not None
         if t is not None and sharded and t.numel() == 0 and (info is None or info.numel):
             if _in_save_pretrained():
                 raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
-            if getattr(p, "_shardspeed_unit", None) is None:  # stage 3's own hook warns for its modules
+            if unit_of(p) is None:  # stage 3's own hook warns for its modules
                 warnings.warn(
                     "model.state_dict() holds empty tensors: the model was built under shardspeed.zero.Init "
                     "and its parameters are sharded across ranks. Read them inside "

@@ -40,6 +40,7 @@ from ..dist.comms import Collectives
 from ..errors import CheckpointError, DistributedError
 from .hooks import register_post_backward, watch_parameter_reads
 from .placement import DevicePlacement, ShardPlacement
+from .tags import init_shard_of, tag_unit, unit_of
 from .unit import ShardedParamUnit, UnitState
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def _numel(p: torch.Tensor) -> int:
     """Elements of a parameter, also when zero.Init left only an empty placeholder in ``.data``."""
-    info = getattr(p, "_shardspeed_init", None)
+    info = init_shard_of(p)
     return info.numel if info is not None else p.numel()
 
 
@@ -334,10 +335,10 @@ class ParamManager:
         releases it after); in a backward (a recompute, a custom backward) it is gathered and released as the
         backward's units are. Outside both it stays a placeholder: a read there is not collective (use
         GatheredParameters)."""
-        tag = getattr(param, "_shardspeed_unit", None)
-        if tag is None or tag[2] is not self:
+        tag = unit_of(param)
+        if tag is None or tag.manager is not self:
             return
-        index = tag[0].index
+        index = tag.unit.index
         if self._stack and not _recomputing():
             needs = self._needs[self._stack[-1]]
             if index not in needs:
@@ -452,7 +453,7 @@ def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None
     """``model.state_dict()`` at stage 3 holds empty placeholders: say so instead of saving nothing."""
     for name, p in module.named_parameters():
         t = state_dict.get(prefix + name)
-        if t is not None and t.numel() == 0 and getattr(p, "_shardspeed_unit", None) is not None:
+        if t is not None and t.numel() == 0 and unit_of(p) is not None:
             from .init import SAVE_PRETRAINED_MESSAGE, _in_save_pretrained
 
             if _in_save_pretrained():  # transformers would write the placeholders: refuse
@@ -539,5 +540,5 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
     )
     for u in units:
         for i, p in enumerate(u.params):
-            p._shardspeed_unit = (u, i, manager)  # type: ignore[attr-defined]  # a tag read back with getattr
+            tag_unit(p, u, i, manager)
     return units, manager

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from .layout import FlatLayout, Piece
 from .placement import DevicePlacement, ShardPlacement
+from .tags import clear_init_shard, init_shard_of  # parameters built under zero.Init arrive already sliced
 
 if TYPE_CHECKING:
     from shardspeed.dist.comms import CommHandle
@@ -114,8 +115,6 @@ class ShardedParamUnit(FlatParamUnit):
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1,
                  group=None, placement: Optional[ShardPlacement] = None):
-        from .init import init_shard_of  # parameters built under zero.Init arrive already sliced
-
         # (buffer, CommHandle, source) of an asynchronous gather in flight
         self._pending: Optional[Tuple[torch.Tensor, CommHandle, torch.Tensor]] = None
         self._buffer: Optional[torch.Tensor] = None  # the gathered storage, kept (freed/refilled) for life
@@ -143,7 +142,7 @@ class ShardedParamUnit(FlatParamUnit):
             if pc is not None:
                 shard[pc.chunk_start : pc.chunk_start + pc.numel].copy_(flat[pc.param_start : pc.param_end])
             if info is not None:
-                del p._shardspeed_init  # type: ignore[attr-defined]  # the tag zero.Init put on it
+                clear_init_shard(p)  # the slice is in this unit's shard now
         placement.hold(shard, self.device)
         self.placement = placement
         self.full = None

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ...dist.comms import CommsLogger
 from ...dist.topology import Topology
 from ...errors import ConfigError
+from ...zero.tags import init_shard_of
 from .apply import TPReport, apply_tensor_parallel
 from .comm import TPGroup
 from .inputs import InputConsistencyCheck, model_group_ranks
@@ -60,7 +61,7 @@ def setup_tensor_parallel(model: nn.Module, topo: Topology, log: CommsLogger, *,
     if topo.model_group is None:
         raise ConfigError("tensor parallelism needs the model group: build it from tensor_parallel.autotp_size or "
                           "give mpu= a get_tensor_model_parallel_group()")
-    if any(getattr(p, "_shardspeed_init", None) is not None for p in model.parameters()):
+    if any(init_shard_of(p) is not None for p in model.parameters()):
         raise ConfigError("tensor_parallel.autotp_size > 1 with a model built under shardspeed.zero.Init: build the "
                           "model normally (its layers are split before ZeRO shards them)")
     recorded = getattr(model, TP_ARGS_ATTR, None)

@@ -1,0 +1,77 @@
+"""The two tags ZeRO puts on a parameter, and the only code that sets, reads or removes them.
+
+``_shardspeed_init``: an :class:`~shardspeed.zero.init.InitShard`, set by ``zero.Init`` when it shards the
+parameter (this rank's slice of it); removed when stage 3 takes the slice into a unit.
+
+``_shardspeed_unit``: a :class:`UnitTag` ``(unit, param_index, manager)``, set by stage 3's builder: the
+:class:`~shardspeed.zero.unit.ShardedParamUnit` holding the parameter, its index in ``unit.params``, and
+the :class:`~shardspeed.zero.stage3.ParamManager` that gathers the unit. It is a 3-tuple, as it always was.
+
+The attribute names stay on the parameter (code outside shardspeed, e.g. ``hasattr(p, "_shardspeed_init")``,
+may check them); inside shardspeed every reader and writer goes through these functions.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .init import InitShard
+    from .stage3 import ParamManager
+    from .unit import ShardedParamUnit
+
+#: The attribute ``zero.Init`` sets.
+INIT_TAG = "_shardspeed_init"
+#: The attribute stage 3 sets.
+UNIT_TAG = "_shardspeed_unit"
+
+
+class UnitTag(NamedTuple):
+    """Where a stage-3 parameter lives: its unit, its index there, and the manager that gathers the unit."""
+
+    unit: ShardedParamUnit
+    param_index: int  # in unit.params
+    manager: ParamManager
+
+
+# ---- zero.Init's tag --------------------------------------------------------------------------------------
+
+def init_shard_of(p: torch.Tensor) -> Optional[InitShard]:
+    """This rank's slice of ``p`` when ``zero.Init`` sharded it (and no unit has taken it yet), else None."""
+    return getattr(p, INIT_TAG, None)
+
+
+def tag_init_shard(p: torch.Tensor, info: InitShard) -> None:
+    """Record that ``zero.Init`` sharded ``p``: ``info`` holds this rank's slice."""
+    setattr(p, INIT_TAG, info)
+
+
+def clear_init_shard(p: torch.Tensor) -> None:
+    """Drop ``zero.Init``'s tag (a unit now holds the slice); nothing to do when ``p`` has none."""
+    if hasattr(p, INIT_TAG):
+        delattr(p, INIT_TAG)
+
+
+# ---- stage 3's tag ----------------------------------------------------------------------------------------
+
+def unit_of(p: torch.Tensor) -> Optional[UnitTag]:
+    """The stage-3 unit holding ``p`` (with its index and manager), or None for a parameter no stage-3 engine
+    manages."""
+    return getattr(p, UNIT_TAG, None)
+
+
+def tag_unit(p: torch.Tensor, unit: ShardedParamUnit, param_index: int, manager: ParamManager) -> None:
+    """Record that ``p`` is ``unit.params[param_index]`` of stage-3 ``unit``, gathered by ``manager``."""
+    setattr(p, UNIT_TAG, UnitTag(unit, param_index, manager))
+
+
+def clear_unit(p: torch.Tensor) -> None:
+    """Drop stage 3's tag; nothing to do when ``p`` has none."""
+    if hasattr(p, UNIT_TAG):
+        delattr(p, UNIT_TAG)
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """True when ``p`` holds only a placeholder: sharded by ``zero.Init`` or by a stage-3 unit."""
+    return init_shard_of(p) is not None or unit_of(p) is not None
