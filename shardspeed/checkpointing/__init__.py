@@ -10,11 +10,14 @@ See docs/activation-checkpointing.md.
 from __future__ import annotations
 
 from .core import (
+    CHECKPOINTING,
+    ActivationCheckpointing,
     apply,
     checkpoint,
     checkpoint_function,
     checkpoint_with,
     configure,
+    get_cuda_rng_tracker,
     is_configured,
     model_group_comm,
     model_parallel_cuda_manual_seed,
@@ -27,7 +30,7 @@ from .core import (
     settings,
 )
 from .policy import SAVED_OPS, selective_policy
-from .rng import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
+from .rng import CudaRNGStatesTracker, RNGStatesTracker
 from .saved import partition_span
 from .settings import CheckpointSettings
 from .wrap import checkpoint_blocks, find_blocks, uncheckpoint_blocks
@@ -37,5 +40,5 @@ __all__ = [
     "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker", "RNGStatesTracker", "CheckpointSettings",
     "checkpoint_function", "checkpoint_with", "checkpoint_blocks", "uncheckpoint_blocks", "find_blocks", "apply",
     "model_group_comm", "profile_totals", "settings", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
-    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span",
+    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span", "ActivationCheckpointing", "CHECKPOINTING",
 ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
@@ -22,24 +21,108 @@ from ..dist.comms import Collectives, CommsLogger
 from ..dist.topology import Topology
 from ..errors import ConfigError
 from .policy import policy_contexts
-from .rng import get_cuda_rng_tracker, seed_tracker
+from .rng import RNGStatesTracker, _generator, seed_tracker
 from .saved import SavedInputs
 from .settings import CheckpointSettings
 
 logger = logging.getLogger("shardspeed.checkpointing")
 
 
-@dataclass
-class _State:
-    settings: CheckpointSettings = field(default_factory=CheckpointSettings)
-    comm: Optional[Collectives] = None  # the tensor-parallel group's collectives
-    tp_rank: int = 0
-    configured: bool = False
-    saved: SavedInputs = field(default_factory=lambda: SavedInputs(CheckpointSettings()))
-    totals: Dict[str, float] = field(default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "calls": 0})
+class ActivationCheckpointing:
+    """Everything activation checkpointing keeps between calls, in one object.
+
+    DeepSpeed's ``deepspeed.checkpointing`` is a module-level API: ``configure`` once (or let the engine do
+    it from its config), then ``checkpoint(block, x)`` anywhere in a model's forward with no handle passed.
+    So its state is the process's, and it lives here: the settings in force, the tensor-parallel group's
+    collectives (``partition_activations`` splits over it) and rank, where the saved inputs go, the
+    ``profile`` totals, and the model-parallel RNG tracker (``get_cuda_rng_tracker()``). The process's
+    object is :data:`CHECKPOINTING`; this module's functions (``configure``, ``is_configured``,
+    ``checkpoint``, ...) are its methods, called on it.
+    """
+
+    def __init__(self) -> None:
+        self.settings = CheckpointSettings()
+        self.comm: Optional[Collectives] = None  # the tensor-parallel group's collectives
+        self.tp_rank = 0
+        self.configured = False
+        self.saved = SavedInputs(CheckpointSettings())
+        self.totals: Dict[str, float] = {"forward_s": 0.0, "backward_s": 0.0, "calls": 0}
+        self.tracker = RNGStatesTracker()
+
+    # ---- configuration --------------------------------------------------------------------------------
+    def apply(self, settings: CheckpointSettings, comm: Optional[Collectives] = None) -> None:
+        """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the configuration."""
+        self.reset()
+        self.settings = settings
+        self.comm = comm
+        self.tp_rank = comm.topology.dp_rank if comm is not None else 0
+        self.saved = SavedInputs(settings, comm)
+        self.configured = True
+        if settings.partition_activations and self.saved.comm is None:
+            logger.info("partition_activations: the tensor-parallel group has one rank, so there is nothing to split")
+        logger.debug("activation checkpointing: %s, tensor-parallel size %d", settings, self.saved.world)
+
+    def configure(self, mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
+                  contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
+                  checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
+                  profile: Optional[bool] = None) -> None:
+        """See the module-level :func:`configure`."""
+        base = CheckpointSettings()
+        if deepspeed_config is not None:
+            base = CheckpointSettings.from_config(_block_from_config(deepspeed_config))
+        overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
+                     contiguous_checkpointing, "number_checkpoints": num_checkpoints, "cpu_checkpointing":
+                     checkpoint_in_cpu, "synchronize": synchronize, "profile": profile}
+        kwargs = {**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
+        comm = _mpu_comm(mpu_) if mpu_ is not None else self.comm
+        self.apply(CheckpointSettings(**kwargs), comm)
+
+    def replace(self, **changes: Any) -> None:
+        """Apply the settings in force with ``changes``, over the same group."""
+        kwargs = {**self.settings.__dict__, **changes}
+        self.apply(CheckpointSettings(**kwargs), self.comm)
+
+    def reset(self) -> None:
+        """Drop the contiguous buffers."""
+        if self.saved.contiguous is not None:
+            self.saved.contiguous.release()
+
+    # ---- the model-parallel RNG streams ---------------------------------------------------------------
+    def seed(self, seed: int) -> None:
+        """``model_parallel_cuda_manual_seed``: the default generator and the tracker's stream."""
+        seed_tracker(self.tracker, int(seed), self.tp_rank)
+
+    def reseed_tp(self, seed: int) -> None:
+        """``model_parallel_reconfigure_tp_seed``: the tracker's stream only."""
+        with self.tracker.fork():
+            _generator().manual_seed(int(seed) + 2718 + self.tp_rank)
+
+    # ---- checkpoint -----------------------------------------------------------------------------------
+    def checkpoint_with(self, function: Callable, args: tuple, kwargs: Dict[str, Any],
+                        policy: Optional[str] = None) -> Any:
+        """See the module-level :func:`checkpoint_with`."""
+        if kwargs:
+            keys, n = tuple(kwargs), len(args)
+
+            def call(*all_args: Any) -> Any:
+                return function(*all_args[:n], **dict(zip(keys, all_args[n:])))
+
+            args, run = args + tuple(kwargs.values()), call
+        else:
+            run = function
+        if not torch.is_grad_enabled():
+            return run(*args)  # no backward will need a recompute (torch's checkpoint does the same)
+        st = self.settings
+        boundary = _Boundary(st, self.tracker, self.totals)
+        with self.saved.hooks():
+            out = torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                   context_fn=_context_fn(boundary, policy or st.policy))
+        boundary.after_backward([a for a in args if torch.is_tensor(a)])
+        return out
 
 
-_STATE = _State()
+#: The process's activation checkpointing (DeepSpeed's module-level API reads and writes it; nothing else does).
+CHECKPOINTING = ActivationCheckpointing()
 
 
 # ---- configuration ------------------------------------------------------------------------------------
@@ -47,15 +130,7 @@ _STATE = _State()
 def apply(settings: CheckpointSettings, comm: Optional[Collectives] = None) -> None:
     """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the process's configuration;
     what the engine calls with its config's ``activation_checkpointing`` block."""
-    reset()
-    _STATE.settings = settings
-    _STATE.comm = comm
-    _STATE.tp_rank = comm.topology.dp_rank if comm is not None else 0
-    _STATE.saved = SavedInputs(settings, comm)
-    _STATE.configured = True
-    if settings.partition_activations and _STATE.saved.comm is None:
-        logger.info("partition_activations: the tensor-parallel group has one rank, so there is nothing to split")
-    logger.debug("activation checkpointing: %s, tensor-parallel size %d", settings, _STATE.saved.world)
+    CHECKPOINTING.apply(settings, comm)
 
 
 def model_group_comm(topology: Topology, log: Optional[CommsLogger] = None) -> Optional[Collectives]:
@@ -94,69 +169,58 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
     ``partition_activations`` splits over; None keeps the previous one. ``deepspeed_config``: a config
     (dict, JSON path or ShardspeedConfig) whose ``activation_checkpointing`` block is read first; the
     keyword arguments override it (None: keep the config's, else the default)."""
-    base = CheckpointSettings()
-    if deepspeed_config is not None:
-        base = CheckpointSettings.from_config(_block_from_config(deepspeed_config))
-    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
-                 contiguous_checkpointing, "number_checkpoints": num_checkpoints, "cpu_checkpointing":
-                 checkpoint_in_cpu, "synchronize": synchronize, "profile": profile}
-    kwargs = {**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
-    comm = _mpu_comm(mpu_) if mpu_ is not None else _STATE.comm
-    apply(CheckpointSettings(**kwargs), comm)
-
-
-def _replace(**changes: Any) -> None:
-    kwargs = {**_STATE.settings.__dict__, **changes}
-    apply(CheckpointSettings(**kwargs), _STATE.comm)
+    CHECKPOINTING.configure(mpu_, deepspeed_config, partition_activations, contiguous_checkpointing,
+                            num_checkpoints, checkpoint_in_cpu, synchronize, profile)
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
     """Turn ``partition_activations`` on or off, keeping the other settings (DeepSpeed's function)."""
-    _replace(partition_activations=bool(partition_activation))
+    CHECKPOINTING.replace(partition_activations=bool(partition_activation))
 
 
 def set_num_layers(nlayers: int) -> None:
     """Set ``number_checkpoints`` (DeepSpeed's function)."""
-    _replace(number_checkpoints=int(nlayers))
+    CHECKPOINTING.replace(number_checkpoints=int(nlayers))
 
 
 def is_configured() -> bool:
     """True once ``configure`` (or an engine) has configured activation checkpointing."""
-    return _STATE.configured
+    return CHECKPOINTING.configured
 
 
 def reset() -> None:
     """Drop the contiguous buffers (call it between forwards that have no backward, e.g. in evaluation)."""
-    if _STATE.saved.contiguous is not None:
-        _STATE.saved.contiguous.release()
+    CHECKPOINTING.reset()
 
 
 def settings() -> CheckpointSettings:
     """The settings in force."""
-    return _STATE.settings
+    return CHECKPOINTING.settings
 
 
 def tensor_parallel_rank() -> int:
-    return _STATE.tp_rank
+    return CHECKPOINTING.tp_rank
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process's tracker (DeepSpeed's name)."""
+    return CHECKPOINTING.tracker
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default device generator with ``seed`` and the tracker's "model-parallel-rng" state with
     ``seed + 2718 + tensor-parallel rank`` (DeepSpeed's function; call it after ``configure``)."""
-    seed_tracker(int(seed), _STATE.tp_rank)
+    CHECKPOINTING.seed(seed)
 
 
 def model_parallel_reconfigure_tp_seed(seed: int) -> None:
     """Reseed the "model-parallel-rng" state only (DeepSpeed's function)."""
-    from .rng import _generator
-
-    with get_cuda_rng_tracker().fork():
-        _generator().manual_seed(int(seed) + 2718 + _STATE.tp_rank)
+    CHECKPOINTING.reseed_tp(seed)
 
 
 def profile_totals() -> Dict[str, float]:
     """With ``profile``: seconds spent in checkpointed forwards and backwards (recompute included), and calls."""
-    return dict(_STATE.totals)
+    return dict(CHECKPOINTING.totals)
 
 
 # ---- forward / recompute contexts ---------------------------------------------------------------------
@@ -170,8 +234,9 @@ class _Boundary:
     """Per checkpoint call: the tracker's states at the forward (restored for the recompute), device syncs
     and timings at the boundaries."""
 
-    def __init__(self, st: CheckpointSettings):
+    def __init__(self, st: CheckpointSettings, tracker: RNGStatesTracker, totals: Dict[str, float]):
         self.sync, self.profile = st.synchronize, st.profile
+        self.tracker, self.totals = tracker, totals
         self.tracker_states: Dict[str, torch.Tensor] = {}
         self.t0 = 0.0
 
@@ -185,16 +250,16 @@ class _Boundary:
             _sync()
         if self.profile:
             dt = time.perf_counter() - self.t0
-            _STATE.totals[f"{what}_s"] += dt
+            self.totals[f"{what}_s"] += dt
             if what == "forward":
-                _STATE.totals["calls"] += 1
+                self.totals["calls"] += 1
             if not dist.is_initialized() or dist.get_rank() == 0:
                 logger.info("checkpoint %s: %.3f ms", what, dt * 1e3)
 
     @contextlib.contextmanager
     def forward(self):
         self.begin()
-        self.tracker_states = get_cuda_rng_tracker().get_states()
+        self.tracker_states = self.tracker.get_states()
         try:
             yield
         finally:
@@ -203,7 +268,7 @@ class _Boundary:
     @contextlib.contextmanager
     def recompute(self):
         self.begin()  # the checkpoint's backward starts with its recompute
-        tracker = get_cuda_rng_tracker()
+        tracker = self.tracker
         outer = tracker.get_states()
         tracker.set_states(dict(self.tracker_states))
         try:
@@ -258,24 +323,7 @@ def _context_fn(boundary: _Boundary, policy: str) -> Callable[[], Tuple[ContextM
 def checkpoint_with(function: Callable, args: tuple, kwargs: Dict[str, Any], policy: Optional[str] = None) -> Any:
     """``function(*args, **kwargs)`` checkpointed under the configured settings and ``policy`` (default: the
     configured one). Tensors among ``kwargs`` are saved and differentiated as positional ones are."""
-    if kwargs:
-        keys, n = tuple(kwargs), len(args)
-
-        def call(*all_args: Any) -> Any:
-            return function(*all_args[:n], **dict(zip(keys, all_args[n:])))
-
-        args, run = args + tuple(kwargs.values()), call
-    else:
-        run = function
-    if not torch.is_grad_enabled():
-        return run(*args)  # no backward will need a recompute (torch's checkpoint does the same)
-    st = _STATE.settings
-    boundary = _Boundary(st)
-    with _STATE.saved.hooks():
-        out = torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                               context_fn=_context_fn(boundary, policy or st.policy))
-    boundary.after_backward([a for a in args if torch.is_tensor(a)])
-    return out
+    return CHECKPOINTING.checkpoint_with(function, args, kwargs, policy)
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ named state and advances only that state; ``model_parallel_cuda_manual_seed(seed
 generator with ``seed`` (the same on the ranks of a model group) and adds the "model-parallel-rng" state
 seeded ``seed + 2718 + tensor-parallel rank`` (different within a model group), as DeepSpeed does. The
 "device" is CUDA when available, else the CPU generator (as DeepSpeed's CPU accelerator). A checkpoint
-restores the tracker's states for its recompute, so dropout inside a fork replays exactly.
+restores the tracker's states for its recompute, so dropout inside a fork replays exactly. The process's
+tracker (``get_cuda_rng_tracker()``) belongs to :data:`shardspeed.checkpointing.core.CHECKPOINTING`; this
+module holds none.
 """
 from __future__ import annotations
 
@@ -93,17 +95,9 @@ class RNGStatesTracker:
 # DeepSpeed's name for the class, kept for scripts that import it.
 CudaRNGStatesTracker = RNGStatesTracker
 
-_TRACKER = RNGStatesTracker()
-
-
-def get_cuda_rng_tracker() -> RNGStatesTracker:
-    """The process's tracker (DeepSpeed's name)."""
-    return _TRACKER
-
-
-def seed_tracker(seed: int, tp_rank: int) -> None:
-    """``model_parallel_cuda_manual_seed`` for a known tensor-parallel rank."""
-    _TRACKER.reset()
+def seed_tracker(tracker: RNGStatesTracker, seed: int, tp_rank: int) -> None:
+    """``model_parallel_cuda_manual_seed`` on ``tracker`` for a known tensor-parallel rank."""
+    tracker.reset()
     _generator().manual_seed(seed)
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     logger.debug("model-parallel seeds: default %d, %s %d", seed, MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)

@@ -1,5 +1,10 @@
 """Which ranks work together: built once, passed explicitly (no global process groups).
 
+A `Topology` is handed to every part that needs one; the only topologies kept beyond that are in one
+object, :data:`TOPOLOGIES` (a :class:`TopologyRegistry`): the meshes already built (a later engine of the
+same mesh reuses their groups) and the current engine's topology, for DeepSpeed's module-level
+``deepspeed.utils.groups`` functions (:mod:`shardspeed.utils.groups`).
+
 The world is a device mesh with named dimensions ``("pipe", "data", "model")`` (DeepSpeed's axis order;
 ``model`` innermost, so tensor-parallel peers are neighbouring ranks): global rank
 ``= pipe_rank × data × model + data_rank × model + model_rank``. ZeRO only ever sees the data group
@@ -13,8 +18,10 @@ Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.di
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,10 +47,6 @@ def mesh_sizes(world: int, pipe: int = 1, model: int = 1) -> Tuple[int, int, int
 def mesh_ranks(pipe: int, data: int, model: int) -> List[List[List[int]]]:
     """The global rank at each ``[pipe][data][model]`` coordinate (row-major, model innermost)."""
     return [[[(p * data + d) * model + m for m in range(model)] for d in range(data)] for p in range(pipe)]
-
-
-#: Topologies built by `Topology.from_mesh`, by (default group, sizes, device).
-_MESHES: dict = {}
 
 
 @dataclass(frozen=True)
@@ -85,26 +88,20 @@ class Topology:
         )
 
     @classmethod
-    def from_mesh(cls, pipe: int = 1, model: int = 1) -> Topology:
-        """Build the ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
+    def from_mesh(cls, pipe: int = 1, model: int = 1, registry: Optional[TopologyRegistry] = None) -> Topology:
+        """The ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
         every rank (the mesh's own groups, then the pipe × model groups when both are > 1). A second call
-        with the same sizes in the same process group reuses the first's groups (no new groups per engine).
+        with the same sizes in the same process group returns the first's Topology, groups and all (no new
+        groups per engine): ``registry`` (default: the process's, :data:`TOPOLOGIES`) keeps them.
         """
-        world = dist.get_world_size()
-        sizes = mesh_sizes(world, pipe, model)
-        device = local_device()
-        default = dist.distributed_c10d._get_default_group()
-        if any(k[0] is not default for k in _MESHES):
-            _MESHES.clear()  # torch.distributed was re-initialised: the old groups are gone
-        key = (default, sizes, device)
-        if key not in _MESHES:
-            _MESHES[key] = cls._build_mesh(sizes, device)
-        return _MESHES[key]
+        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model)
 
     @classmethod
-    def _build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> Topology:
+    def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> Topology:
+        """A new Topology of the ``(pipe, data, model)`` mesh ``sizes`` (new groups; collective); what
+        :meth:`TopologyRegistry.mesh` builds once per mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
@@ -159,6 +156,69 @@ class Topology:
     def mesh_shape(self) -> Tuple[int, int, int]:
         """``(pipe, data, model)`` sizes."""
         return self.pipe_size, self.dp_size, self.model_size
+
+
+class TopologyRegistry:
+    """The topologies that outlive the call that built them: the only place shardspeed keeps any.
+
+    Everything else receives its Topology explicitly (an engine holds its own), so engines with different
+    meshes live side by side in one process. Two things need more, and live here:
+
+    - **meshes**: the Topology of each ``(pipe, data, model)`` mesh built over the current default process
+      group, by sizes and device. A later engine of the same mesh gets the same object, so a mesh's process
+      groups (connections under gloo, communicators and their device buffers under NCCL) are created once
+      per process group, not once per engine. A new default group (torch.distributed re-initialised) drops
+      them: their groups died with the old one.
+    - **current**: the topology of the most recently built engine (the builder sets it, through
+      :func:`shardspeed.utils.groups.set_topology`), which DeepSpeed's module-level
+      ``deepspeed.utils.groups`` functions answer from; :meth:`using` selects another for a block.
+
+    The process's registry is :data:`TOPOLOGIES`; a registry of one's own (``Topology.from_mesh(...,
+    registry=...)``) shares nothing with it.
+    """
+
+    def __init__(self) -> None:
+        self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
+        self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device], Topology] = {}
+        self._current: Optional[Topology] = None
+
+    def mesh(self, pipe: int = 1, model: int = 1) -> Topology:
+        """The Topology of the ``(pipe, data, model)`` mesh of the world (built on first use: collective)."""
+        sizes = mesh_sizes(dist.get_world_size(), pipe, model)
+        device = local_device()
+        default = dist.distributed_c10d._get_default_group()
+        if self._default is None or self._default() is not default:
+            self._meshes.clear()  # torch.distributed was re-initialised: the old groups are gone
+            self._default = weakref.ref(default)
+        key = (sizes, device)
+        if key not in self._meshes:
+            self._meshes[key] = Topology.build_mesh(sizes, device)
+        return self._meshes[key]
+
+    def meshes(self) -> List[Topology]:
+        """The meshes kept (those of the current default group), in the order they were built."""
+        return list(self._meshes.values())
+
+    def set_current(self, topology: Optional[Topology]) -> None:
+        """Make ``topology`` the current one (None: no engine)."""
+        self._current = topology
+
+    def current(self) -> Optional[Topology]:
+        """The current topology: the most recently built engine's, or the one :meth:`using` selected."""
+        return self._current
+
+    @contextlib.contextmanager
+    def using(self, topology: Topology) -> Iterator[Topology]:
+        """The block's current topology is ``topology`` (e.g. one of two engines'); the previous one after."""
+        previous, self._current = self._current, topology
+        try:
+            yield topology
+        finally:
+            self._current = previous
+
+
+#: The process's registry (see :class:`TopologyRegistry`): the meshes built so far, the current engine's topology.
+TOPOLOGIES = TopologyRegistry()
 
 
 def check_user_groups(reports: Sequence[Any]) -> None:

@@ -1,33 +1,40 @@
-"""``deepspeed.utils.groups`` for shardspeed: the process groups of the most recently built engine.
+"""``deepspeed.utils.groups`` for shardspeed: the process groups of the current engine.
 
-Scripts written for DeepSpeed call these module-level functions; here they answer from the topology of
-the last engine :func:`shardspeed.initialize` built (the same object as ``engine.mpu`` when no user mpu
-was given). Meanings follow DeepSpeed's pipeline grid (see :mod:`shardspeed.dist.mpu`): "model parallel"
-is pipe × tensor, which without pipeline stages is the tensor-parallel group, as in DeepSpeed's module.
+Scripts written for DeepSpeed call these module-level functions; here they answer from the current
+topology of the process's :class:`~shardspeed.dist.topology.TopologyRegistry` (``TOPOLOGIES``): that of
+the last engine :func:`shardspeed.initialize` built (the same object as ``engine.mpu.topology`` when no
+user mpu was given), or the one a ``with using(topology):`` block selects (two engines in one process).
+This module keeps no state of its own. Meanings follow DeepSpeed's pipeline grid (see
+:mod:`shardspeed.dist.mpu`): "model parallel" is pipe × tensor, which without pipeline stages is the
+tensor-parallel group, as in DeepSpeed's module.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import ContextManager, List, Optional
 
 import torch.distributed as dist
 
 from ..dist.mpu import MeshMPU
-from ..dist.topology import Topology
+from ..dist.topology import TOPOLOGIES, Topology
 from ..errors import ShardspeedError
-
-_topology: Optional[Topology] = None
 
 
 def set_topology(topology: Optional[Topology]) -> None:
     """Make ``topology`` the one these functions answer from (the builder calls this for each engine)."""
-    global _topology
-    _topology = topology
+    TOPOLOGIES.set_current(topology)
 
 
 def current_topology() -> Topology:
-    if _topology is None:
+    topology = TOPOLOGIES.current()
+    if topology is None:
         raise ShardspeedError("shardspeed.utils.groups: no engine yet; call shardspeed.initialize() first")
-    return _topology
+    return topology
+
+
+def using(topology: Topology) -> ContextManager[Topology]:
+    """``with using(engine.mpu.topology):`` these functions answer for that engine in the block (the
+    current engine's again after it)."""
+    return TOPOLOGIES.using(topology)
 
 
 def _mpu() -> MeshMPU:

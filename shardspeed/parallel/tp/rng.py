@@ -13,7 +13,8 @@ from typing import ContextManager
 import torch
 import torch.nn as nn
 
-from ...checkpointing.rng import MODEL_PARALLEL_RNG, get_cuda_rng_tracker
+from ...checkpointing.core import get_cuda_rng_tracker
+from ...checkpointing.rng import MODEL_PARALLEL_RNG
 
 #: Megatron's offset of the tensor-parallel seed from the base seed.
 TP_SEED_OFFSET = 2718
