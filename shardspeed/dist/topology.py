@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DistributedError
 from .init import local_device
 
 #: The mesh's dimension names, outermost first.
@@ -141,10 +141,7 @@ class Topology:
         mp_group, mp_rank, mp_size = _read(mpu, ("get_model_parallel",))
         report = (dist.get_rank(), _members(dp_group, dp_size), _claimed(mpu, "get_data_parallel", dp_rank, dp_size),
                   mp_size, tp_size, pp_size)
-        from .comms import Collectives  # comms builds on Topology
-
-        world = Collectives(cls.data_parallel())
-        check_user_groups(world.all_gather_object(report, cause="every rank must call shardspeed.initialize(mpu=...)"))
+        check_user_groups(_gather_reports(report))
         return cls(
             dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size, device=local_device(),
             pipe_group=pp_group, pipe_rank=pp_rank, pipe_size=pp_size,
@@ -251,6 +248,19 @@ def check_user_groups(reports: Sequence[Any]) -> None:
     sizes = {len(r[1]) for r in reports}
     if len(sizes) > 1:
         raise ConfigError(f"mpu: data-parallel groups of different sizes {sorted(sizes)} across the world")
+
+
+def _gather_reports(report: Any) -> List[Any]:
+    """Every rank's ``report`` in rank order (one object all-gather over the world; the collectives of
+    :mod:`.comms` build on a Topology, so the mesh's own setup talks to torch.distributed directly)."""
+    reports: List[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(reports, report)
+    except RuntimeError as exc:  # gloo/nccl: a peer gone or the timeout
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedError(f"all_gather_object(world) of the mpu's groups failed: {first}; every rank must "
+                               f"call shardspeed.initialize(mpu=...)") from exc
+    return reports
 
 
 def _new_groups(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:

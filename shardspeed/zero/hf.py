@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from .init import init_shard_of
+from .tags import init_shard_of
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,147 @@
+"""Counts of the house's shape (issue 22), read from the code: ``python tools/house_counts.py``.
+
+- import cycles among shardspeed's modules (every import, those inside functions too: a lazy import hides a
+  cycle, it does not remove it; imports under ``if TYPE_CHECKING`` are for annotations and not counted);
+- ``._p`` (the engine's private parts) outside shardspeed/runtime/engine.py;
+- files over 500 lines and functions over 80 lines.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "shardspeed"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    files = {_module(p): p for p in PKG.rglob("*.py")}
+    graph: Dict[str, Set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for b in tree.body if _is_type_checking(b) for n in ast.walk(b)}
+        for node in ast.walk(tree):  # imports inside functions too: a lazy import is still a dependency
+            if id(node) in typing_only:
+                continue
+            targets: List[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, path.name == "__init__.py", node)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t.startswith("shardspeed"):
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan), excluding a package's own
+    ``__init__`` re-exporting its submodules (that is not a cycle of dependencies)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    out: List[List[str]] = []
+    sys.setrecursionlimit(10000)
+
+    def edges(v: str) -> Set[str]:
+        return {w for w in graph[v] if not w.startswith(v + ".")}  # a package importing its own submodules
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_parts() -> List[str]:
+    hits = []
+    for folder in ("shardspeed", "tests", "benchmarks", "examples"):
+        for p in (ROOT / folder).rglob("*.py"):
+            if p == PKG / "runtime" / "engine.py":
+                continue
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if "._p." in line or line.rstrip().endswith("._p"):
+                    hits.append(f"{p.relative_to(ROOT)}:{i}")
+    return hits
+
+
+def sizes() -> tuple:
+    long_files, long_functions = [], []
+    for p in PKG.rglob("*.py"):
+        text = p.read_text()
+        n = len(text.splitlines())
+        if n > 500:
+            long_files.append(f"{p.relative_to(ROOT)} {n}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 80:
+                    long_functions.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} {length}")
+    return long_files, long_functions
+
+
+def main() -> int:
+    graph = import_graph()
+    found = cycles(graph)
+    hits = private_parts()
+    long_files, long_functions = sizes()
+    print(f"import cycles: {len(found)}")
+    for c in found:
+        print("   ", " <-> ".join(c))
+    print(f"._p outside runtime/engine.py: {len(hits)}")
+    for h in hits:
+        print("   ", h)
+    print(f"files over 500 lines: {len(long_files)}")
+    for f in long_files:
+        print("   ", f)
+    print(f"functions over 80 lines: {len(long_functions)}")
+    for f in long_functions:
+        print("   ", f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
