@@ -279,6 +279,7 @@ def _run_cli(tmp_path, *args, env=None):
     script.write_text(_BAD_CONFIG_SCRIPT)
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     full_env.pop("SHARDSPEED_TRACEBACK", None)
+    full_env["TMPDIR"] = str(tmp_path)  # the launcher's traceback log goes under pytest's tmp_path
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "shardspeed.cli", "run", *args[:-1], str(script), args[-1]],
                           cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300)
@@ -298,6 +299,7 @@ def test_run_prints_a_config_error_raised_on_every_rank_once(tmp_path):
     after = err.splitlines()[err.splitlines().index(lines[0]) + 1]
     assert after.startswith("shardspeed: tracebacks in "), err
     log = after.split("tracebacks in ", 1)[1].split(" ")[0]
+    assert log.startswith(str(tmp_path))
     text = open(log).read()
     assert text.count("Traceback (most recent call last)") == 2 and "---- rank 0" in text and "---- rank 1" in text
     assert "shardspeed.errors.ConfigError: unknown key 'zero_optimization.stag'" in text
