@@ -92,7 +92,7 @@ class PipelineEngine(Engine):
 
     @property
     def stage_id(self) -> int:
-        return self._p.topology.pipe_rank
+        return self.topology.pipe_rank
 
     def is_first_stage(self) -> bool:
         return 0 in self._pipe.stage_ids
@@ -175,7 +175,7 @@ class PipelineEngine(Engine):
         args: Tuple = ()
         target = None
         if micro:
-            micro = [move_inputs(tuple(b), self.device, self._p.train_dtype) for b in micro]
+            micro = [move_inputs(tuple(b), self.device, self.train_dtype) for b in micro]
             if any(tuple(t.shape) != tuple(s.shape) for b in micro for t, s in zip(_tensors(b), _tensors(micro[0]))):
                 raise ShardspeedError("the micro-batches of one step must have the same shapes (sequence length "
                                       "may change between steps, not within one)")
@@ -190,7 +190,7 @@ class PipelineEngine(Engine):
         losses: List[torch.Tensor] = []  # the schedule's, one per micro-batch (its shape inference adds none)
         outputs = None
         if train:
-            self._loss_factor = self._p.loss_scaler.scale / m
+            self._loss_factor = self.loss_scale / m
             schedule.step(*args, target=target, losses=losses)
         else:
             self._loss_factor = 1.0
@@ -210,20 +210,14 @@ class PipelineEngine(Engine):
         returns the mean loss (over micro-batches and data-parallel ranks) on every rank."""
         data_iter = self._default_iter(data_iter)
         self.module.train()
-        m = self._p.gradient_accumulation_steps
-        with self._timers("forward"):  # forward and backward interleave inside the schedule
+        m = self.gradient_accumulation_steps()
+        with self.timers("forward"):  # forward and backward interleave inside the schedule
             self._run(data_iter, m, train=True)
-        with self._timers("step"):
-            self._p.reducer.reduce_pending()
-            if self._pipe.tied is not None:
-                self._pipe.tied.all_reduce(self._p.reducer.grad_shard)
-            self._optimizer_step()
+        tied = self._pipe.tied
+        self.boundary_step(None if tied is None else lambda reducer: tied.all_reduce(reducer.grad_shard))
         self.micro_steps += m
         loss = self._mean_loss()
-        self._last_loss = loss
-        if self._p.monitor is not None:  # the step's mean loss (every rank has it), then the step's events
-            self._p.monitor.add_loss(loss)
-            self._p.monitor.after_step(self, self._timers)
+        self.record_step_loss(loss)
         return loss
 
     def eval_batch(self, data_iter: Optional[Iterator], return_logits: bool = False, compute_loss: bool = True,
@@ -234,7 +228,7 @@ class PipelineEngine(Engine):
         if reduce_output not in ("avg", None):
             raise ShardspeedError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
         self.module.eval()
-        m = int(num_micro_batches or self._p.gradient_accumulation_steps)
+        m = int(num_micro_batches or self.gradient_accumulation_steps())
         try:
             outputs = self._run(data_iter, m, train=False)
         finally:
@@ -257,7 +251,7 @@ class PipelineEngine(Engine):
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage() and self._losses:
             loss += torch.stack(self._losses).mean()
-            self._p.collectives.all_reduce(loss)
-            loss /= self._p.topology.dp_size
+            self.data_collectives.all_reduce(loss)
+            loss /= self.topology.dp_size
         self._pipe.pipe_comm.broadcast(loss, self._pipe.last_stage_pipe_rank)
         return loss

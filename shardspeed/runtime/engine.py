@@ -9,7 +9,7 @@ import logging
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
@@ -160,6 +160,42 @@ class Engine(nn.Module):
         """The :class:`~shardspeed.dist.comms.CommsLogger` counting this rank's collectives (what
         :meth:`comms_summary` reports); ``reset()`` clears its counts, as DeepSpeed's ``comms_logger``."""
         return self._p.comms_logger
+
+    @property
+    def topology(self) -> Topology:
+        """This rank's groups and coordinates in the mesh (passed explicitly to every part)."""
+        return self._p.topology
+
+    @property
+    def data_collectives(self) -> Collectives:
+        """The collectives over this rank's data-parallel group."""
+        return self._p.collectives
+
+    @property
+    def train_dtype(self) -> torch.dtype:
+        """The dtype the module computes in (fp16 / bf16 / fp32)."""
+        return self._p.train_dtype
+
+    def boundary_step(self, before_optimizer: Optional[Callable[[GradientReducer], None]] = None) -> None:
+        """The accumulation boundary's work, for a driver that runs forward and backward itself (a pipeline
+        schedule): reduce what is pending, ``before_optimizer(reducer)`` (e.g. sum tied gradients), step."""
+        with self._timers("step"):
+            self._p.reducer.reduce_pending()
+            if before_optimizer is not None:
+                before_optimizer(self._p.reducer)
+            self._optimizer_step()
+
+    def record_step_loss(self, loss: torch.Tensor) -> None:
+        """A driver's mean loss of the step just taken: what the progress line and the monitors report."""
+        self._last_loss = loss
+        if self._p.monitor is not None:  # the step's mean loss (every rank has it), then the step's events
+            self._p.monitor.add_loss(loss)
+            self._p.monitor.after_step(self, self._timers)
+
+    @property
+    def timers(self) -> Timers:
+        """The ``wall_clock_breakdown`` timers (``timers("forward")`` is a context manager)."""
+        return self._timers
 
     def get_lr(self) -> List[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
