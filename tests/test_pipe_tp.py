@@ -62,22 +62,25 @@ def _config(stage: int) -> dict:
             "pipeline": {"schedule": "1f1b"}, "tensor_parallel": {"autotp_size": 2}}
 
 
-def _train(stage: int, tied: bool, ckpt: int) -> Dict[str, object]:
+def _train(stage: int, tied: bool, ckpt: int, **extra) -> Dict[str, object]:
     import shardspeed
     import shardspeed.zero
 
-    engine, *_ = shardspeed.initialize(model=_model(2, tied, ckpt), config=_config(stage))
+    engine, *_ = shardspeed.initialize(model=_model(2, tied, ckpt), config=dict(_config(stage), **extra))
     losses = []
     for x, y in _batches():
         micros = [(x[k * MICRO:(k + 1) * MICRO], y[k * MICRO:(k + 1) * MICRO]) for k in range(GAS)]
         losses.append(float(engine.train_batch(iter(micros))))
     with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: (p.detach().clone(), getattr(p, "tp_slice", None)) for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "norm": float(engine.get_global_grad_norm())}
+    return {"losses": losses, "params": params, "norm": float(engine.get_global_grad_norm()),
+            "dims": engine.topology.mesh_dims}
 
 
 def _run() -> Dict[str, object]:
     out: Dict[str, object] = {key: _train(*case) for key, case in CASES.items()}
+    # the 4-dimensional mesh: pipe × data × sequence × model, the sequence dimension declared at size 1
+    out["4d"] = _train(*CASES[FOUR_D], sequence_parallel_size=1)
     import shardspeed
 
     try:  # sequence parallelism needs the whole sequence at the head: refused with a pipeline
@@ -119,6 +122,20 @@ def test_pp2_tp2_matches_reference(world4, case):
     assert any("c_attn" in n for n in sliced) and any("wte" in n for n in sliced), sorted(sliced)
     for r in world4:  # the last step's norm over pipe × model counts each parameter once
         assert r[case]["norm"] == pytest.approx(ref["norm"], rel=TOL)
+
+
+FOUR_D = next(iter(CASES))
+
+
+def test_a_4d_mesh_trains_equal_to_the_3d_one(world4):
+    """The socket sequence and expert parallelism plug into: a declared size-1 dimension is a mesh axis of its
+    own (its groups built), and training is the same, bit for bit, as on the 3-dimensional mesh."""
+    for r in world4:
+        assert r["4d"]["dims"] == ("pipe", "data", "sequence", "model")
+        assert r[FOUR_D]["dims"] == ("pipe", "data", "model")
+        assert r["4d"]["losses"] == r[FOUR_D]["losses"]
+        for name, (value, _) in r["4d"]["params"].items():
+            assert torch.equal(value, r[FOUR_D]["params"][name][0]), name
 
 
 def test_pp_with_sequence_parallel_is_refused(world4):

@@ -64,6 +64,9 @@ TABLE = [
      {"checkpointing.blocks": True, "checkpointing.policy": "selective", "checkpointing.configure": True}),
     (_cfg(), 1, None, {"checkpointing.configure": False}),
     (_cfg(zero_optimization={"stage": 3}), 2, ModelFacts(built_sharded=True), {"sharding.stage": 3}),
+    (_cfg(), 2, None, {"mesh.dims": ("pipe", "data", "model"), "mesh.sequence": 1}),
+    (_cfg(sequence_parallel_size=1), 2, None, {"mesh.dims": ("pipe", "data", "sequence", "model"),
+                                               "mesh.shard_size": 2}),
 ]
 
 

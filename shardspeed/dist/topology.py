@@ -75,6 +75,11 @@ class Topology:
     mp_size: int = 1
     #: The Megatron-style object passed to ``initialize(mpu=...)``, when the groups came from one.
     user_mpu: Any = None
+    #: Groups of the optional mesh dimensions (size 1 until expert and sequence parallelism land), and the
+    #: device mesh's dimension names
+    sequence_group: Optional[dist.ProcessGroup] = None
+    expert_group: Optional[dist.ProcessGroup] = None
+    mesh_dims: Tuple[str, ...] = MESH_DIMS
 
     @classmethod
     def data_parallel(cls, group: Optional[dist.ProcessGroup] = None) -> Topology:
@@ -88,7 +93,8 @@ class Topology:
         )
 
     @classmethod
-    def from_mesh(cls, pipe: int = 1, model: int = 1, registry: Optional[TopologyRegistry] = None) -> Topology:
+    def from_mesh(cls, pipe: int = 1, model: int = 1, registry: Optional[TopologyRegistry] = None,
+                  dims: Sequence[str] = MESH_DIMS) -> Topology:
         """The ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
@@ -96,17 +102,21 @@ class Topology:
         with the same sizes in the same process group returns the first's Topology, groups and all (no new
         groups per engine): ``registry`` (default: the process's, :data:`TOPOLOGIES`) keeps them.
         """
-        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model)
+        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model, dims)
 
     @classmethod
-    def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device) -> Topology:
+    def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device,
+                   dims: Sequence[str] = MESH_DIMS) -> Topology:
         """A new Topology of the ``(pipe, data, model)`` mesh ``sizes`` (new groups; collective); what
-        :meth:`TopologyRegistry.mesh` builds once per mesh."""
+        :meth:`TopologyRegistry.mesh` builds once per mesh. ``dims``: the device mesh's dimensions, in the
+        plan's order; the ones beyond pipe, data and model (expert, sequence) have size 1 (they leave every
+        rank's coordinates and the other groups as they are)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
-        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
-        ranks = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+        known = dict(zip(MESH_DIMS, sizes))
+        mesh = init_device_mesh(device.type, tuple(known.get(n, 1) for n in dims), mesh_dim_names=tuple(dims))
+        groups = {name: mesh.get_group(name) for name in dims}
+        ranks = {name: mesh.get_local_rank(name) for name in dims}
         p, d, m = sizes
         mp_group: Optional[dist.ProcessGroup]
         if p == 1:
@@ -120,6 +130,7 @@ class Topology:
             pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
             model_group=groups["model"], model_rank=ranks["model"], model_size=m,
             mp_group=mp_group, mp_rank=dist.get_rank(mp_group), mp_size=p * m,
+            sequence_group=groups.get("sequence"), expert_group=groups.get("expert"), mesh_dims=tuple(dims),
         )
 
     @classmethod
@@ -176,20 +187,21 @@ class TopologyRegistry:
 
     def __init__(self) -> None:
         self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
-        self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device], Topology] = {}
+        self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device, Tuple[str, ...]], Topology] = {}
         self._current: Optional[Topology] = None
 
-    def mesh(self, pipe: int = 1, model: int = 1) -> Topology:
-        """The Topology of the ``(pipe, data, model)`` mesh of the world (built on first use: collective)."""
+    def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = MESH_DIMS) -> Topology:
+        """The Topology of the ``(pipe, data, model)`` mesh of the world, its device mesh over ``dims``
+        (built on first use: collective)."""
         sizes = mesh_sizes(dist.get_world_size(), pipe, model)
         device = local_device()
         default = dist.distributed_c10d._get_default_group()
         if self._default is None or self._default() is not default:
             self._meshes.clear()  # torch.distributed was re-initialised: the old groups are gone
             self._default = weakref.ref(default)
-        key = (sizes, device)
+        key = (sizes, device, tuple(dims))
         if key not in self._meshes:
-            self._meshes[key] = Topology.build_mesh(sizes, device)
+            self._meshes[key] = Topology.build_mesh(sizes, device, dims)
         return self._meshes[key]
 
     def meshes(self) -> List[Topology]:

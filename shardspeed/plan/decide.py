@@ -70,7 +70,9 @@ def _mesh(cfg: ShardspeedConfig, world: int, facts: ModelFacts, given: Optional[
     if pipe > 1 and facts.pipeline_stages is None:
         raise ConfigError(f"pipeline.stages {pipe} needs a shardspeed.pipe.PipelineModule model; build it as "
                           f"PipelineModule(layers=..., num_stages={pipe}) or set pipeline.stages to 1")
-    return MeshPlan(pipe=pipe, data=world // (pipe * tp), model=tp)
+    declared = ("sequence",) if "sequence_parallel_size" in cfg.model_fields_set else ()
+    seq = int(cfg.sequence_parallel_size)  # the config allows 1 only, until sequence parallelism lands
+    return MeshPlan(pipe=pipe, data=world // (pipe * tp * seq), sequence=seq, model=tp, declared=declared)
 
 
 def _pipe_size(cfg: ShardspeedConfig, facts: ModelFacts) -> int:

@@ -38,6 +38,16 @@ class MeshPlan:
     expert: int = 1
     sequence: int = 1
     model: int = 1
+    #: the optional dimensions (expert, sequence) the device mesh has even at size 1, because the config
+    #: names them (``sequence_parallel_size``): the socket expert and sequence parallelism plug into
+    declared: Tuple[str, ...] = ()
+
+    @property
+    def dims(self) -> Tuple[str, ...]:
+        """The device mesh's dimensions, in order: pipe, data and model always, expert and sequence when
+        larger than 1 or declared."""
+        return tuple(d for d in MESH_DIMS if d in ("pipe", "data", "model") or getattr(self, d) > 1
+                     or d in self.declared)
 
     @property
     def world(self) -> int:

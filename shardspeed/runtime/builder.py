@@ -144,7 +144,7 @@ def build_engine(
                   if user_topo is not None else None)
     cfg = load_config(parse_config(config), world_size=plan.mesh.shard_size)
     _check_optimizer(cfg, optimizer)
-    topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model)
+    topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims)
     comms_logger = build_comms_logger(cfg.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
