@@ -15,8 +15,8 @@
   backward of every forward call of its modules has computed their inputs' gradients (a post-backward
   hook), or at the end of the backward.
 - Prefetch: the order units are gathered in is recorded per phase on the first step and replayed: when a
-  unit is needed, the following units (up to ``prefetch_bucket_size`` elements) are all-gathered
-  asynchronously.
+  unit is needed, the next unit (``PREFETCH_UNITS``, within ``prefetch_bucket_size`` elements, units
+  already gathered ahead counting) is all-gathered asynchronously.
 - Units smaller than ``param_persistence_threshold`` elements stay gathered after first use.
 - Gather and release are per use, not per phase: a unit released after its forward frees its gathered
   storage at once even though autograd saved views of it, and the same storage is re-filled before the
@@ -52,11 +52,11 @@ def _numel(p: torch.Tensor) -> int:
     return info.numel if info is not None else p.numel()
 
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but are never called themselves
 #: units all-gathered ahead of their use at most: with one collective stream, a deeper window overlaps no
 #: more communication, it only holds more gathered parameters (DeepSpeed's default 5e7-element prefetch
 #: bucket would otherwise keep several transformer blocks gathered)
-PREFETCH_UNITS = 1  # hold modules but are never called themselves
+PREFETCH_UNITS = 1
 
 
 def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
