@@ -139,10 +139,11 @@ def build_engine(
     if dist_init_required is not False:
         init_distributed()
     user_topo = Topology.from_mpu(mpu) if mpu is not None else None
-    plan = decide(config, torch.distributed.get_world_size(), model_facts(model),
+    parsed = parse_config(config)  # once: a path is read, and ignored keys warned about, one time
+    plan = decide(parsed, torch.distributed.get_world_size(), model_facts(model),
                   mesh=MeshPlan(pipe=user_topo.pipe_size, data=user_topo.dp_size, model=user_topo.model_size)
                   if user_topo is not None else None)
-    cfg = load_config(parse_config(config), world_size=plan.mesh.shard_size)
+    cfg = load_config(parsed, world_size=plan.mesh.shard_size)
     _check_optimizer(cfg, optimizer)
     topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims)
     comms_logger = build_comms_logger(cfg.comms_logger)
