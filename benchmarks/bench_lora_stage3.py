@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -192,16 +191,11 @@ def main(argv=None) -> int:
             print(f"  {label}: {row.get('status')}: {row.get('message')}", flush=True)
     text = table(rows, args.world)
     print(text)
-    meta["wall_s"] = time.time() - t0
     try:
         meta["load_average_end"] = os.getloadavg()
     except OSError:
         pass
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", f"{args.tag}.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "table": text, "results": rows}, fh, indent=1, default=float)
-    print("wrote", os.path.relpath(path), f"({meta['wall_s']:.0f}s)")
+    s3m.write_results(args.tag, meta, text, rows, t0)
     return 0
 
 

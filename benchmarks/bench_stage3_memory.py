@@ -397,13 +397,19 @@ def main(argv=None) -> int:
                 print("  WARNING: freed memory was not returned to the system: RSS figures overstate the live set")
     text = table(rows)
     print(text)
+    write_results(tag, meta, text, rows, t0)
+    return 0
+
+
+def write_results(tag: str, meta: dict, text: str, rows: dict, t0: float) -> str:
+    """benchmarks/results/<tag>.json: the run's meta (wall time added), its table and per-system rows."""
     meta["wall_s"] = time.time() - t0
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     path = os.path.join(ROOT, "benchmarks", "results", f"{tag}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "table": text, "results": rows}, f, indent=1, default=float)
     print("wrote", os.path.relpath(path), f"({meta['wall_s']:.0f}s)")
-    return 0
+    return path
 
 
 if __name__ == "__main__":
