@@ -52,7 +52,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardspeed.data import DEFAULT_MAX_BYTES, build_text_datasets  # noqa: E402
-from shardspeed.dist.init import shutdown_distributed  # noqa: E402
+from shardspeed.mesh.init import shutdown_distributed  # noqa: E402
 from shardspeed.models import GPT, PRESETS, GPTConfig  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "zero2.json"

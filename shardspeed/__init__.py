@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Tuple
 
 from . import checkpointing, comm, zero
-from .dist.init import init_distributed, shutdown_distributed
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
+from .mesh.init import init_distributed, shutdown_distributed
 from .parallel.tp.setup import tp_model_init
 
 __version__ = "0.1.0"

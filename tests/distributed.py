@@ -40,7 +40,7 @@ def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeou
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from shardspeed.dist import init_distributed
+        from shardspeed.mesh import init_distributed
 
         init_distributed(backend="gloo", timeout=collective_timeout)
         out = fn(*args, **kwargs)

@@ -6,7 +6,8 @@ from distributed import run_distributed
 def _cases():
     import torch.distributed as dist
 
-    from shardspeed.dist import Collectives, CommsLogger, Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
 
     rank, world = dist.get_rank(), dist.get_world_size()
     c = Collectives(Topology.data_parallel(), CommsLogger(keep_records=True))
@@ -52,8 +53,8 @@ def test_comms_logger_switches_verbose_prof_ops_and_debug(caplog):
     (the totals still count every collective); debug names the function that issued it."""
     import logging
 
+    from shardspeed.comm.collectives import CommsLogger
     from shardspeed.config import load_config
-    from shardspeed.dist import CommsLogger
     from shardspeed.runtime.builder import build_comms_logger
 
     log = CommsLogger(keep_records=True, verbose=True, ops=["all_gather"], debug=True)
@@ -61,7 +62,7 @@ def test_comms_logger_switches_verbose_prof_ops_and_debug(caplog):
     def issue_gather():
         return log.start("all_gather", torch.zeros(1024), 2)
 
-    with caplog.at_level(logging.INFO, logger="shardspeed.dist.comms"):
+    with caplog.at_level(logging.INFO, logger="shardspeed.comm.collectives"):
         log.finish(log.start("all_reduce", torch.zeros(256), 2))
         log.finish(issue_gather())
     lines = [r.getMessage() for r in caplog.records]

@@ -51,8 +51,8 @@ def _flat_units(model):
 def _run():
     import torch.distributed as dist
 
-    from shardspeed.dist.comms import Collectives, CommsLogger
-    from shardspeed.dist.topology import Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
     from shardspeed.zero.master import MasterWeights
     from shardspeed.zero.reducer import GradientReducer, ReducePolicy
     from shardspeed.zero.unit import FlatParamUnit

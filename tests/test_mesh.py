@@ -14,8 +14,8 @@ from distributed import run_distributed
 from models import gathered_params, make_batches, make_model, micro_batch, reference_train
 
 import shardspeed
-from shardspeed.dist.topology import check_user_groups, mesh_ranks, mesh_sizes
 from shardspeed.errors import ConfigError
+from shardspeed.mesh.topology import check_user_groups, mesh_ranks, mesh_sizes
 
 STEPS, GAS, MICRO, LR, CLIP = 3, 2, 2, 1e-2, 0.5
 
@@ -104,8 +104,8 @@ def _world4() -> dict:
     import torch.distributed as dist
 
     import shardspeed.utils.groups as groups
-    from shardspeed.dist.mpu import MeshMPU
-    from shardspeed.dist.topology import Topology
+    from shardspeed.mesh.mpu import MeshMPU
+    from shardspeed.mesh.topology import Topology
 
     rank = dist.get_rank()
     out: dict = {"rank": rank}

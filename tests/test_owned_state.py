@@ -42,7 +42,7 @@ def test_tags_set_read_clear():
 
 def test_current_topology_is_the_registrys():
     import shardspeed.utils.groups as groups
-    from shardspeed.dist.topology import TOPOLOGIES, Topology
+    from shardspeed.mesh.topology import TOPOLOGIES, Topology
 
     a = Topology(dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))
     b = Topology(dp_group=None, dp_rank=1, dp_size=2, device=torch.device("cpu"))
@@ -104,7 +104,7 @@ def _alone(name: str):
 
 def _together():
     import shardspeed.utils.groups as groups
-    from shardspeed.dist.topology import Topology, TopologyRegistry
+    from shardspeed.mesh.topology import Topology, TopologyRegistry
     from shardspeed.zero.tags import unit_of
 
     engines = {name: _build(name) for name in ENGINES}  # both built before either trains

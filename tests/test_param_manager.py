@@ -52,8 +52,8 @@ def _loss(out, y):
 def _run():
     import torch.distributed as dist
 
-    from shardspeed.dist.comms import Collectives, CommsLogger
-    from shardspeed.dist.topology import Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
     from shardspeed.plan import decide
     from shardspeed.zero.reducer import GradientReducer, ReducePolicy
     from shardspeed.zero.stage3 import build_stage3_units

@@ -78,7 +78,8 @@ def test_stage0_2_unit_shard_is_a_view_of_full():
 
 
 def _gather_release(tmp_dir):
-    from shardspeed.dist import Collectives, CommsLogger, Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
 
     comm = Collectives(Topology.data_parallel(), CommsLogger())
     out = {}

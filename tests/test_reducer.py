@@ -90,9 +90,9 @@ def _shards(reducer, n):
 def _run():
     import torch.distributed as dist
 
-    from shardspeed.dist.comms import Collectives, CommsLogger
-    from shardspeed.dist.topology import Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
     from shardspeed.errors import ShardspeedError
+    from shardspeed.mesh.topology import Topology
     from shardspeed.zero.reducer import GradientReducer, ReducePolicy
     from shardspeed.zero.unit import FlatParamUnit
 

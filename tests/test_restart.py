@@ -153,7 +153,7 @@ def _shutdown_with_a_slow_rank(slow: int, delay: float):
 
     import torch.distributed as dist
 
-    from shardspeed.dist import init as dist_init
+    from shardspeed.mesh import init as dist_init
 
     rank, real_destroy = dist.get_rank(), dist.destroy_process_group
     done = {}

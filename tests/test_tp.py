@@ -83,8 +83,8 @@ def test_plans_match_names():
 
 
 def _single_group():
-    from shardspeed.dist.comms import Collectives
-    from shardspeed.dist.topology import Topology
+    from shardspeed.comm.collectives import Collectives
+    from shardspeed.mesh.topology import Topology
     from shardspeed.parallel.tp import TPGroup
 
     return TPGroup(Collectives(Topology(dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))))

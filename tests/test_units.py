@@ -31,8 +31,8 @@ def _flat(params):
 def _run():
     import torch.distributed as dist
 
-    from shardspeed.dist.comms import Collectives, CommsLogger
-    from shardspeed.dist.topology import Topology
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
     from shardspeed.zero.unit import FlatParamUnit, ShardedParamUnit
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
-from shardspeed.dist.init import init_distributed, local_device, shutdown_distributed
+from shardspeed.mesh.init import init_distributed, local_device, shutdown_distributed
 from shardspeed.offload.cpu_adam import AdamHyper, adam_step
 
 _SMALL, _LARGE = 1 << 10, 1 << 22  # elements (fp32): 4 KiB and 16 MiB
@@ -55,7 +55,7 @@ def probe_link(device: torch.device) -> Dict[str, float]:
     large message: all-reduce (``latency_s``, ``bus_bandwidth``), all-gather and reduce-scatter into / out of
     one flat tensor (``all_gather_*``, ``reduce_scatter_*``: the stage 1-3 calls, which on some backends
     cost more than half an all-reduce)."""
-    from shardspeed.dist.comms import Collectives
+    from shardspeed.comm.collectives import Collectives
 
     n = dist.get_world_size()
     if n == 1:

@@ -138,7 +138,7 @@ class ProfileWindow:
         return metrics
 
     def _exit(self) -> None:
-        from shardspeed.dist.init import shutdown_distributed
+        from shardspeed.mesh.init import shutdown_distributed
 
         shutdown_distributed()  # rank 0 (the store's host under the trial launcher) leaves last
         sys.stdout.flush()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, runtime_checkab
 import torch
 import torch.nn as nn
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from . import rng
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ..dist.comms import Collectives, CommsLogger
-from ..dist.topology import Topology
+from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
+from ..mesh.topology import Topology
 from .policy import policy_contexts
 from .rng import RNGStatesTracker, _generator, seed_tracker
 from .saved import SavedInputs

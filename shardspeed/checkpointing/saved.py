@@ -16,7 +16,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from ..errors import ConfigError
 from .settings import CheckpointSettings
 

@@ -3,7 +3,7 @@
 A thin facade for code written against ``deepspeed.comm`` (transformers, accelerate and user scripts call
 ``get_rank``, ``get_world_size``, ``barrier``...). It adds nothing: the collectives are torch's, on the
 default group unless ``group`` is given. The library's own collectives go through
-:class:`shardspeed.dist.Collectives` (logged, errors named).
+:class:`shardspeed.comm.collectives.Collectives` (logged, errors named).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ..dist.init import init_distributed as _init_distributed
+from ..mesh.init import init_distributed as _init_distributed
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from ..errors import ConfigError
 from ..zero.layout import Piece
 from ..zero.master import MasterWeights, StepResult, device_master

@@ -19,7 +19,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from ..errors import DistributedError, ShardspeedError
 from ..runtime.engine import Engine, EngineParts, move_inputs
 from .module import PipelineModule

@@ -2,9 +2,9 @@
 :func:`shardspeed.plan.decide`)."""
 from __future__ import annotations
 
-from ..dist.comms import Collectives, CommsLogger
-from ..dist.topology import Topology
+from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
+from ..mesh.topology import Topology
 from .engine import PipeParts
 from .module import PipelineModule
 from .partition import rank_of_stage, stages_of_rank

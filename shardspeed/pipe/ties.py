@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.comms import Collectives, CommsLogger
-from ..dist.topology import Topology, mesh_ranks
+from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
+from ..mesh.topology import Topology, mesh_ranks
 from .module import PipelineModule
 from .partition import rank_of_stage
 

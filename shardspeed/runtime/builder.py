@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 from ..autotune.probe import build_profile_window
+from ..comm.collectives import Collectives, CommsLogger
 from ..config import ShardspeedConfig, load_config, parse_config
-from ..dist.comms import Collectives, CommsLogger
-from ..dist.init import init_distributed
-from ..dist.topology import Topology
 from ..errors import ConfigError
+from ..mesh.init import init_distributed
+from ..mesh.topology import Topology
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..dist.topology import Topology
+from ..mesh.topology import Topology
 
 logger = logging.getLogger("shardspeed")
 

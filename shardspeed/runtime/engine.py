@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 import torch.nn as nn
 
-from ..dist.comms import Collectives, CommsLogger
-from ..dist.topology import Topology
+from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
+from ..mesh.topology import Topology
 from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
@@ -157,7 +157,7 @@ class Engine(nn.Module):
 
     @property
     def comms_logger(self) -> CommsLogger:
-        """The :class:`~shardspeed.dist.comms.CommsLogger` counting this rank's collectives (what
+        """The :class:`~shardspeed.comm.collectives.CommsLogger` counting this rank's collectives (what
         :meth:`comms_summary` reports); ``reset()`` clears its counts, as DeepSpeed's ``comms_logger``."""
         return self._p.comms_logger
 
@@ -209,8 +209,8 @@ class Engine(nn.Module):
 
     @property
     def mpu(self):
-        """DeepSpeed's group getters (`shardspeed.dist.mpu.MeshMPU`), or the user's ``initialize(mpu=...)``."""
-        from ..dist.mpu import mpu_for
+        """DeepSpeed's group getters (`shardspeed.mesh.mpu.MeshMPU`), or the user's ``initialize(mpu=...)``."""
+        from ..mesh.mpu import mpu_for
 
         return mpu_for(self._p.topology)
 

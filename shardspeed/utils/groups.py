@@ -1,11 +1,11 @@
 """``deepspeed.utils.groups`` for shardspeed: the process groups of the current engine.
 
 Scripts written for DeepSpeed call these module-level functions; here they answer from the current
-topology of the process's :class:`~shardspeed.dist.topology.TopologyRegistry` (``TOPOLOGIES``): that of
+topology of the process's :class:`~shardspeed.mesh.topology.TopologyRegistry` (``TOPOLOGIES``): that of
 the last engine :func:`shardspeed.initialize` built (the same object as ``engine.mpu.topology`` when no
 user mpu was given), or the one a ``with using(topology):`` block selects (two engines in one process).
 This module keeps no state of its own. Meanings follow DeepSpeed's pipeline grid (see
-:mod:`shardspeed.dist.mpu`): "model parallel" is pipe × tensor, which without pipeline stages is the
+:mod:`shardspeed.mesh.mpu`): "model parallel" is pipe × tensor, which without pipeline stages is the
 tensor-parallel group, as in DeepSpeed's module.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import ContextManager, List, Optional
 
 import torch.distributed as dist
 
-from ..dist.mpu import MeshMPU
-from ..dist.topology import TOPOLOGIES, Topology
 from ..errors import ShardspeedError
+from ..mesh.mpu import MeshMPU
+from ..mesh.topology import TOPOLOGIES, Topology
 
 
 def set_topology(topology: Optional[Topology]) -> None:

@@ -38,10 +38,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..dist.comms import Collectives
-from ..dist.init import init_distributed
-from ..dist.topology import Topology
+from ..comm.collectives import Collectives
 from ..errors import CheckpointError, ShardspeedError
+from ..mesh.init import init_distributed
+from ..mesh.topology import Topology
 from .tags import init_shard_of, is_sharded, tag_init_shard, unit_of  # init_shard_of: also imported from here
 
 

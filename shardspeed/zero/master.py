@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from ..parallel.replicas import counts_in_norm
 from .layout import Piece
 from .reducer import GradientReducer

@@ -34,7 +34,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from ..dist.comms import Collectives, CommHandle
+from ..comm.collectives import Collectives, CommHandle
 from ..errors import ShardspeedError
 from .unit import FlatParamUnit
 

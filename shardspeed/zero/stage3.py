@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..dist.comms import Collectives
+from ..comm.collectives import Collectives
 from ..errors import CheckpointError, DistributedError
 from .hooks import register_post_backward, watch_parameter_reads
 from .placement import DevicePlacement, ShardPlacement

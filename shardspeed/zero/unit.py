@@ -18,7 +18,7 @@ from .placement import DevicePlacement, ShardPlacement
 from .tags import clear_init_shard, init_shard_of  # parameters built under zero.Init arrive already sliced
 
 if TYPE_CHECKING:
-    from shardspeed.dist.comms import CommHandle
+    from shardspeed.comm.collectives import CommHandle
 
 
 class UnitState(enum.Enum):

@@ -1,7 +1,7 @@
 """The tensor-parallel group's collectives as autograd Functions (Megatron's mappings).
 
 Each function is a pair (forward op, backward op) over the model group; every call goes through
-:class:`~shardspeed.dist.comms.Collectives`, so the comms log counts tensor-parallel bytes too:
+:class:`~shardspeed.comm.collectives.Collectives`, so the comms log counts tensor-parallel bytes too:
 
 ==================  ==========================  ==========================
 function            forward                     backward
@@ -23,9 +23,9 @@ from typing import Any, Tuple
 
 import torch
 
-from ...dist.comms import Collectives, CommsLogger
-from ...dist.topology import Topology
+from ...comm.collectives import Collectives, CommsLogger
 from ...errors import ConfigError
+from ...mesh.topology import Topology
 
 
 class TPGroup:

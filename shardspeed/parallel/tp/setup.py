@@ -8,9 +8,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from ...dist.comms import CommsLogger
-from ...dist.topology import Topology
+from ...comm.collectives import CommsLogger
 from ...errors import ConfigError
+from ...mesh.topology import Topology
 from ...zero.tags import init_shard_of
 from .apply import TPReport, apply_tensor_parallel
 from .comm import TPGroup

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from .topology import Topology
+from ..mesh.topology import Topology
 
 logger = logging.getLogger(__name__)
 

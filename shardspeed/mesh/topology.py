@@ -12,7 +12,7 @@ The world is a device mesh with named dimensions ``("pipe", "data", "model")`` (
 model's layers over the ``model`` group (:mod:`shardspeed.parallel.tp`); a model with no plan stays
 replicated there.
 
-Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.dist.mpu`):
+Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.mesh.mpu`):
 ``model_*`` here is the mesh's ``model`` dimension (tensor slicing, DeepSpeed's "slice parallel");
 ``mp_*`` is pipe × model, every rank holding part of one model replica (DeepSpeed's "model parallel").
 """
