@@ -202,8 +202,8 @@ def _positive_int(value: str, flag: str) -> int:
 
 def _describe_for_tuning(source: str, script_args: Sequence[str], seq_len: int | None):
     """The model named by ``--model``, described on the meta device for the script's config."""
-    from .autotune.search import find_config_arg
-    from .estimate.model import describe, read_json_config
+    from ..autotune.search import find_config_arg
+    from ..estimate.model import describe, read_json_config
 
     cfg = {k: v for k, v in read_json_config(find_config_arg(script_args)[1]).items() if k != "autotuning"}
     return describe(source, cfg, seq_len=seq_len, trace=False)
@@ -214,8 +214,8 @@ def _autotune(argv: Sequence[str], then_run: bool = False) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_AUTOTUNE_USAGE)
         return 0 if argv else 2
-    from .autotune.search import Tuner
-    from .errors import ShardspeedError
+    from ..autotune.search import Tuner
+    from ..errors import ShardspeedError
 
     try:
         opts, argv = _take_options(argv, ("--model", "--seq-len"))
@@ -305,7 +305,7 @@ def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
     """torchrun's argv with the script run by :mod:`shardspeed.bootstrap` (which records a ShardspeedError
     instead of printing it), or None where it cannot be: ``--no-python`` (the script is a program) and
     ``--run-path`` (torchrun runs it in its own interpreter). torchrun's ``-m`` becomes the bootstrap's."""
-    from . import bootstrap
+    from .. import bootstrap
 
     arity, head, i = _torchrun_option_arity(), [], 0
     args = list(torchrun_argv)
@@ -346,7 +346,7 @@ def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from . import bootstrap
+    from .. import bootstrap
 
     script = _script_name(torchrun_argv)
     wrapped = None if full_tracebacks else _wrap_in_bootstrap(torchrun_argv)
@@ -534,7 +534,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .monitor.csv_plot import PlotError, plot_run
+    from ..monitor.csv_plot import PlotError, plot_run
 
     try:
         out = plot_run(args.run_dir, args.output)
@@ -586,7 +586,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
     p.set_defaults(func=_cmd_estimate)
 
-    from .checkpoint.consolidate import build_parser as _consolidate_parser, run_args as _consolidate_run
+    from ..checkpoint.consolidate import build_parser as _consolidate_parser, run_args as _consolidate_run
 
     p = sub.add_parser("consolidate", help="write a sharded checkpoint as one fp32 state dict (safetensors)",
                        description="Export a sharded shardspeed checkpoint as fp32 safetensors, split by size, "
@@ -621,6 +621,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return args.func(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
