@@ -1,0 +1,200 @@
+"""``shardspeed run [--nproc N] [torchrun options] script.py [script args]``: a thin wrapper over torchrun.
+
+It builds the argv of ``torch.distributed.run`` (:func:`~.args.build_torchrun_argv`) and calls its ``main``.
+With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): see
+:func:`_isolate_restarts`. The script runs under :mod:`shardspeed.bootstrap`, which records a ShardspeedError
+instead of printing it on every rank; the launcher prints one line per distinct error (:func:`_launch`).
+``--full-tracebacks`` (or ``SHARDSPEED_TRACEBACK=1``) runs the script directly, as torchrun alone would.
+``--autotuning tune|run`` (DeepSpeed's flag) is taken out here and handed to ``shardspeed autotune``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from .args import UsageError, build_torchrun_argv, canonical_option, take_flag, take_options, torchrun_option_arity
+
+_RUN_USAGE = """\
+usage: shardspeed run [--nproc N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
+                      [--rdzv-endpoint H:P] [--max-restarts K] [--full-tracebacks] [other torchrun options]
+                      [--] script.py [script args ...]
+
+Launch script.py on N processes per node with torchrun (torch.distributed.run). Any torchrun option
+is accepted before the script; everything after the script goes to the script. On a single node with
+no --master-addr/--master-port/--rdzv-endpoint, --standalone is added (a free port is chosen).
+
+A shardspeed error (ConfigError, ...) that stops the workers is printed once per distinct message, with
+the number of ranks that raised it, and the tracebacks go to a log file whose path is printed; other
+exceptions print their tracebacks as usual. --full-tracebacks (or SHARDSPEED_TRACEBACK=1): every rank
+prints its own traceback, as under torchrun.
+"""
+
+def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
+    """Give every restarted worker group a store of its own.
+
+    torch >= 2.5 shares the c10d rendezvous TCPStore with the workers (``env://`` connects to the agent's
+    store) and never clears it between restarts; the process group's keys carry no attempt number, so a
+    restarted gloo group can read the dead group's addresses ("Gloo connectFullMesh failed ... Connection
+    refused" on every rank, about one restart in two here; pytorch/pytorch#135712 for NCCL).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes rank 0 host a fresh store for each attempt, as torchrun
+    did before 2.5. Only when restarts were asked for; an explicit setting in the environment wins.
+    """
+    arity, restarts, i = torchrun_option_arity(), 0, 0
+    while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):  # torchrun's options, then the script
+        name, eq, value = torchrun_argv[i].partition("=")
+        takes_value = not eq and arity.get(name, 0) == 1
+        if canonical_option(name) == "--max-restarts":
+            value = torchrun_argv[i + 1] if takes_value and i + 1 < len(torchrun_argv) else value
+            restarts = int(value) if value.isdigit() else 0
+        i += 2 if takes_value else 1
+    if restarts > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
+    found, args = take_options(argv, ("--autotuning",))
+    mode = found.get("--autotuning")
+    if mode is not None and mode not in ("tune", "run"):
+        raise UsageError(f"--autotuning must be tune or run, got {mode!r}")
+    return mode, args
+
+
+def launch_command(argv: Sequence[str]) -> int:
+    """``shardspeed run`` once ``--autotuning`` is out of its arguments: launch the script with torchrun."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_RUN_USAGE)
+        print("torchrun options:")
+        from torch.distributed.run import get_args_parser
+
+        get_args_parser().print_help()
+        return 0
+    try:
+        opts, argv = take_options(argv, ("--model", "--seq-len"))
+        full_tracebacks, argv = take_flag(argv, "--full-tracebacks")
+        torchrun_argv = build_torchrun_argv(argv)
+    except UsageError as e:
+        print(f"shardspeed run: error: {e}", file=sys.stderr)
+        return 2
+    full_tracebacks = full_tracebacks or os.environ.get("SHARDSPEED_TRACEBACK", "") not in ("", "0")
+    _isolate_restarts(torchrun_argv)
+    return _launch(torchrun_argv, full_tracebacks)
+
+
+def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
+    """torchrun's argv with the script run by :mod:`shardspeed.bootstrap` (which records a ShardspeedError
+    instead of printing it), or None where it cannot be: ``--no-python`` (the script is a program) and
+    ``--run-path`` (torchrun runs it in its own interpreter). torchrun's ``-m`` becomes the bootstrap's."""
+    from .. import bootstrap
+
+    arity, head, i = torchrun_option_arity(), [], 0
+    args = list(torchrun_argv)
+    module = False
+    while i < len(args) and args[i].startswith("-"):
+        name, eq, _ = args[i].partition("=")
+        canon = canonical_option(name)
+        if canon in ("--no-python", "--run-path"):
+            return None
+        if canon == "--module" or name == "-m":
+            module = True
+            i += 1
+            continue
+        n = 1 if eq or arity.get(name, 0) == 0 else 2
+        head += args[i:i + n]
+        i += n
+    if i >= len(args):
+        return None
+    script = os.path.realpath(bootstrap.__file__)
+    return [*head, script, *(["--module"] if module else []), *args[i:]]
+
+
+def _script_name(torchrun_argv: Sequence[str]) -> str:
+    arity, i = torchrun_option_arity(), 0
+    while i < len(torchrun_argv) and torchrun_argv[i].startswith("-"):
+        name, eq, _ = torchrun_argv[i].partition("=")
+        i += 1 if eq or arity.get(name, 0) == 0 else 2
+    return torchrun_argv[i] if i < len(torchrun_argv) else "?"
+
+
+def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
+    """Run torchrun; print a ShardspeedError the workers raised once per distinct (type, message), with the
+    ranks it was raised on, and its tracebacks into a log file (see :mod:`shardspeed.bootstrap`)."""
+    import logging
+    import shutil
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    from .. import bootstrap
+
+    script = _script_name(torchrun_argv)
+    wrapped = None if full_tracebacks else _wrap_in_bootstrap(torchrun_argv)
+    if wrapped is None:  # as torchrun alone: every rank prints its own traceback
+        try:
+            torchrun_main(list(torchrun_argv))
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values() if f.exitcode]
+            print(f"shardspeed run: {script} failed (exit codes {codes or '?'})", file=sys.stderr)
+            return next((c for c in codes if c > 0), 1)
+        return 0
+
+    error_dir = tempfile.mkdtemp(prefix="shardspeed-run-")
+    log_path = os.path.join(error_dir, bootstrap.TRACEBACK_LOG)
+    saved_env = os.environ.get(bootstrap.ERROR_DIR_ENV)
+    os.environ[bootstrap.ERROR_DIR_ENV] = error_dir  # the workers inherit the launcher's environment
+    quiet = bootstrap.SuppressReported(error_dir)
+    torchrun_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    torchrun_log.addFilter(quiet)
+    failure: ChildFailedError | None = None
+    try:
+        torchrun_main(wrapped)
+    except ChildFailedError as e:
+        failure = e
+    except BaseException:  # torchrun's own failure (rendezvous, Ctrl-C): no summary, no directory left
+        if not bootstrap.read_records(error_dir):
+            shutil.rmtree(error_dir, ignore_errors=True)
+        raise
+    finally:
+        torchrun_log.removeFilter(quiet)
+        if saved_env is None:
+            os.environ.pop(bootstrap.ERROR_DIR_ENV, None)
+        else:
+            os.environ[bootstrap.ERROR_DIR_ENV] = saved_env
+
+    records = bootstrap.read_records(error_dir)
+    if not records:
+        shutil.rmtree(error_dir, ignore_errors=True)
+    else:
+        bootstrap.write_traceback_log(records, log_path, quiet.dropped)
+    if failure is None:
+        if records:  # an earlier attempt failed with a shardspeed error, the restarted one finished
+            for line in bootstrap.summary_lines(records):
+                print(f"{line} (the run restarted and finished)", file=sys.stderr)
+            print(f"shardspeed: tracebacks in {log_path}", file=sys.stderr)
+        return 0
+
+    codes = [f.exitcode for f in failure.failures.values() if f.exitcode]
+    reported = {r.pid for r in bootstrap.latest_attempt(records)}
+    for line in bootstrap.summary_lines(records):
+        print(line, file=sys.stderr)
+    if records:
+        print(f"shardspeed: tracebacks in {log_path} (--full-tracebacks or SHARDSPEED_TRACEBACK=1 shows them)",
+              file=sys.stderr)
+    # workers that failed for another reason (their tracebacks are above); those stopped by torchrun
+    # (negative codes) after a reported error are no news
+    others = {rank: f.exitcode for rank, f in failure.failures.items() if f.pid not in reported
+              and (f.exitcode > 0 or not records)}
+    if others or not records:
+        shown = sorted(others.values()) if records else codes
+        print(f"shardspeed run: {script} failed (exit codes {shown or '?'})", file=sys.stderr)
+    return next((c for c in codes if c > 0), 1)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    # `run` is dispatched before argparse (its arguments belong to torchrun and the script); it is
+    # registered here for --help only.
+    sub.add_parser("run", help="launch a script on N processes (wraps torchrun)", add_help=False)
