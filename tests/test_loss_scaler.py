@@ -1,5 +1,6 @@
 """Loss scalers: hand-written scale sequences, the floor error, and DeepSpeed as an oracle."""
 
+import logging
 import random
 
 import pytest
@@ -83,6 +84,38 @@ def test_static_scaler():
     s.update(True)
     s.update(False)
     assert s.scale == 128.0 and not s.dynamic and s.loss_scale == 128.0
+
+
+def test_static_scaler_skip_warning_names_dtype_and_cause():
+    """A skipped step under a static scaler names what happened: an fp16 overflow under the scale, or
+    non-finite gradients in fp32/bf16 training (no loss scaling there to overflow)."""
+    cases = [
+        (StaticLossScaler(128.0), "fp16 overflow (inf/nan gradients) with static loss scale 128: step skipped"),
+        (build_loss_scaler(fp16_enabled=False, compute_dtype=torch.float32),
+         "non-finite gradients (inf/nan) in fp32 training (no loss scaling): step skipped"),
+        (build_loss_scaler(fp16_enabled=False, compute_dtype=torch.bfloat16),
+         "non-finite gradients (inf/nan) in bf16 training (no loss scaling): step skipped"),
+        (build_loss_scaler(fp16_enabled=False), "non-finite gradients (inf/nan) in fp32/bf16 training"),
+        (build_loss_scaler(fp16_enabled=True, loss_scale=512, compute_dtype=torch.float16),
+         "fp16 overflow (inf/nan gradients) with static loss scale 512"),
+    ]
+    log = logging.getLogger("shardspeed.precision.loss_scaler")
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log.addHandler(handler)  # on the logger itself: the "shardspeed" logger may not propagate to the root
+    try:
+        for scaler, expected in cases:
+            records.clear()
+            scaler.update(False)
+            assert not records
+            scaler.update(True)
+            messages = [r.getMessage() for r in records]
+            assert len(messages) == 1 and expected in messages[0], (expected, messages)
+            if scaler.dtype != "fp16":
+                assert "fp16" not in messages[0] and "loss scale" not in messages[0], messages
+    finally:
+        log.removeHandler(handler)
 
 
 def test_build_loss_scaler():

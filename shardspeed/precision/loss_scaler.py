@@ -13,7 +13,9 @@ shardspeed uses the ZeRO-path semantics for every stage, so a job behaves the sa
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Union
+
+import torch
 
 from shardspeed.errors import LossScaleError
 
@@ -22,15 +24,30 @@ logger = logging.getLogger(__name__)
 __all__ = ["StaticLossScaler", "DynamicLossScaler", "build_loss_scaler"]
 
 
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def dtype_name(dtype: Union[torch.dtype, str, None]) -> Optional[str]:
+    """``fp16``/``bf16``/``fp32`` for a torch dtype (a string is kept; None stays None)."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
 class StaticLossScaler:
-    """A constant loss scale. ``update`` does nothing (the step is still skipped on overflow)."""
+    """A constant loss scale. ``update`` does nothing (the step is still skipped on overflow).
+
+    ``dtype``: the training dtype, named in the warning of a skipped step (``fp16``: an overflow under the
+    static scale; ``fp32``/``bf16``: no loss scaling, the gradients themselves were inf/NaN; None: fp32 or
+    bf16, not known which)."""
 
     dynamic = False
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, dtype: Union[torch.dtype, str, None] = "fp16") -> None:
         if not scale > 0:
             raise LossScaleError(f"static loss scale must be > 0, got {scale}")
         self._scale = float(scale)
+        self.dtype = dtype_name(dtype)
 
     @property
     def scale(self) -> float:
@@ -41,8 +58,13 @@ class StaticLossScaler:
     cur_scale = scale
 
     def update(self, overflow: bool) -> None:
-        if overflow:
-            logger.warning("fp16 overflow with static loss scale %g: step skipped", self._scale)
+        if not overflow:
+            return
+        if self.dtype == "fp16":
+            logger.warning("fp16 overflow (inf/nan gradients) with static loss scale %g: step skipped", self._scale)
+        else:
+            logger.warning("non-finite gradients (inf/nan) in %s training (no loss scaling): step skipped",
+                           self.dtype or "fp32/bf16")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scale": self._scale, "dynamic": False}
@@ -52,7 +74,7 @@ class StaticLossScaler:
         pass
 
     def __repr__(self) -> str:
-        return f"StaticLossScaler(scale={self._scale:g})"
+        return f"StaticLossScaler(scale={self._scale:g}, dtype={self.dtype})"
 
 
 class DynamicLossScaler:
@@ -187,16 +209,18 @@ def build_loss_scaler(
     consecutive_hysteresis: bool = False,
     min_loss_scale: float = 1.0,
     raise_error_at_min_scale: bool = True,
+    compute_dtype: Union[torch.dtype, str, None] = None,
 ):
     """The scaler for the ``fp16`` config block (defaults are DeepSpeed's).
 
-    fp16 off (fp32 or bf16): ``StaticLossScaler(1.0)``. ``loss_scale > 0``: that static scale.
-    Otherwise a :class:`DynamicLossScaler` starting at ``2 ** initial_scale_power``.
+    fp16 off (fp32 or bf16): ``StaticLossScaler(1.0, compute_dtype)`` (the dtype, if given, is named in the
+    warning of a skipped step). ``loss_scale > 0``: that static scale. Otherwise a :class:`DynamicLossScaler`
+    starting at ``2 ** initial_scale_power``.
     """
     if not fp16_enabled:
-        return StaticLossScaler(1.0)
+        return StaticLossScaler(1.0, dtype=compute_dtype)
     if loss_scale and loss_scale > 0:
-        return StaticLossScaler(loss_scale)
+        return StaticLossScaler(loss_scale, dtype="fp16")
     return DynamicLossScaler(
         init_scale=2.0 ** initial_scale_power,
         scale_window=loss_scale_window,
