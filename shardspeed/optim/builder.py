@@ -25,7 +25,7 @@ import inspect
 import logging
 import math
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Type
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Type
 
 import torch
 
@@ -226,6 +226,20 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
     if key in _UNSUPPORTED:
         raise ConfigError(f"optimizer.type {type_name!r} is not supported by shardspeed: {_UNSUPPORTED[key]}")
 
+    cls, defaults = _resolve_class(type_name, key, params)
+    _check_accepted(type_name, key, cls, params)
+    for k, v in list(params.items()):
+        if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes; and [0, 0.999] has an int,
+            # where torch's Adam wants "both floats or both Tensors"
+            params[k] = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
+    _check_values(type_name, cls, params, defaults)
+    return _construct(type_name, cls, params, defaults, _materialize(param_groups))
+
+
+def _resolve_class(type_name: str, key: str, params: Dict[str, Any]) -> Tuple[type, Dict[str, Any]]:
+    """(the optimizer class, the defaults shardspeed gives it) for the lower-case name ``key``; the
+    DeepSpeed-only flags of ``params`` (adam_w_mode, torch_adam, bias_correction, the ignored keys) are
+    taken out of it."""
     defaults: Dict[str, Any] = {}
     if key in ("adam", "adamw"):
         for flag in ("adam_w_mode", "torch_adam", "bias_correction"):
@@ -258,7 +272,11 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
         if key not in classes:
             raise ConfigError(f"optimizer.type {type_name!r} is unknown; valid: {_valid_names()}")
         cls = classes[key]
+    return cls, defaults
 
+
+def _check_accepted(type_name: str, key: str, cls: type, params: Mapping[str, Any]) -> None:
+    """Every key of ``params`` must be a parameter of ``cls``'s constructor."""
     accepted = _init_kwargs(cls)
     compat = {"adam": ["adam_w_mode", "torch_adam", "bias_correction"], "adamw": ["adam_w_mode", "torch_adam", "bias_correction"]}
     for k in params:
@@ -267,14 +285,13 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
                 f"optimizer.params.{k} is not a parameter of {type_name!r} ({cls.__module__}.{cls.__name__}); "
                 f"accepted: {', '.join(compat.get(key, []) + accepted)}"
             )
-    for k, v in list(params.items()):
-        if isinstance(v, list):  # JSON has no tuples: betas, etas, step_sizes; and [0, 0.999] has an int,
-            # where torch's Adam wants "both floats or both Tensors"
-            params[k] = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
-    _check_values(type_name, cls, params, defaults)
 
+
+def _construct(type_name: str, cls: type, params: Dict[str, Any], defaults: Dict[str, Any],
+               groups: List[Any]) -> torch.optim.Optimizer:
+    """``cls`` over ``groups`` with ``defaults`` then ``params`` (fused where it applies and nothing else was
+    asked for); a constructor's error becomes a ConfigError naming the keys it is about."""
     kwargs = {**defaults, **params}
-    groups = _materialize(param_groups)
     if (
         "fused" not in kwargs
         and "foreach" not in kwargs
