@@ -135,22 +135,8 @@ def sharded_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **k
     """``cls.from_pretrained(...)`` for the active ``zero.Init``: every rank holds only its shards."""
     from transformers.initialization import no_init_weights
 
-    bad = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False)]
-    if bad:
-        raise CheckpointError(f"from_pretrained under shardspeed.zero.Init does not support {', '.join(bad)}; "
-                              "build the model under zero.Init and load the weights yourself, or load without it")
-    for k in _UNSUPPORTED:
-        kwargs.pop(k, None)
     path = str(pretrained_model_name_or_path)
-    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-    output_loading_info = kwargs.pop("output_loading_info", False)
-    dtype = kwargs.pop("dtype", None)
-    torch_dtype = kwargs.pop("torch_dtype", None)
-    dtype = dtype if dtype is not None else (torch_dtype if torch_dtype is not None else "auto")
-    for k in ("trust_remote_code", "low_cpu_mem_usage", "_fast_init", "mirror", "offload_state_dict",
-              "weights_only", "key_mapping", "_from_auto", "_from_pipeline", "adapter_kwargs", "variant"):
-        kwargs.pop(k, None)
-    attn = kwargs.pop("attn_implementation", None)
+    hub, output_loading_info, dtype, attn = _pop_loading_kwargs(kwargs)
     config = kwargs.pop("config", None)
     if config is None:
         config, kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **hub, **kwargs)
@@ -167,7 +153,45 @@ def sharded_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **k
         model = cls._from_config(config, *model_args, **build_kwargs, **kwargs)
 
     model.tie_weights()  # tied parameters are one parameter, loaded once (checkpoints keep one name)
-    prefix = getattr(cls, "base_model_prefix", "") or ""
+    missing = _load_shards(model, getattr(cls, "base_model_prefix", "") or "", files)
+    if missing:
+        logger.warning("from_pretrained under zero.Init: %d parameter(s) not in the checkpoint, newly "
+                       "initialised: %s", len(missing), ", ".join(missing[:8]))
+        model.initialize_weights()  # under zero.Init: the missing ones are written through their placeholders
+    model.tie_weights()
+    model.eval()
+    if output_loading_info:
+        unexpected: List[str] = []
+        return model, {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": [],
+                       "error_msgs": []}
+    return model
+
+
+def _pop_loading_kwargs(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool, Any, Optional[str]]:
+    """Take from_pretrained's loading arguments out of ``kwargs`` (what is left configures the model):
+    (the hub arguments, output_loading_info, the dtype asked for, attn_implementation). Raises for the
+    arguments that need transformers' own loader; drops those with no effect here."""
+    bad = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False)]
+    if bad:
+        raise CheckpointError(f"from_pretrained under shardspeed.zero.Init does not support {', '.join(bad)}; "
+                              "build the model under zero.Init and load the weights yourself, or load without it")
+    for k in _UNSUPPORTED:
+        kwargs.pop(k, None)
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    dtype = kwargs.pop("dtype", None)
+    torch_dtype = kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else (torch_dtype if torch_dtype is not None else "auto")
+    for k in ("trust_remote_code", "low_cpu_mem_usage", "_fast_init", "mirror", "offload_state_dict",
+              "weights_only", "key_mapping", "_from_auto", "_from_pipeline", "adapter_kwargs", "variant"):
+        kwargs.pop(k, None)
+    attn = kwargs.pop("attn_implementation", None)
+    return hub, output_loading_info, dtype, attn
+
+
+def _load_shards(model: nn.Module, prefix: str, files: List[str]) -> List[str]:
+    """Read each parameter's own shard (a whole parameter where it is not sharded) and every buffer from the
+    safetensors ``files``; the names of the parameters the checkpoint lacks."""
     handles = [_SafetensorsFile(f) for f in files]
     where: Dict[str, _SafetensorsFile] = {}
     for h in handles:
@@ -193,22 +217,11 @@ def sharded_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **k
                     info.shard[: hi - lo].copy_(where[key].read(key, lo, hi))
             else:  # not sharded (e.g. created outside the context)
                 p.data.copy_(where[key].read(key).view(p.shape))
-        p._is_hf_initialized = True  # transformers' init skips it
+        p._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips it
     for name, b in model.named_buffers():
         key = next((c for c in _candidates(name, prefix) if c in where), None)
         if key is not None:
             used.add(key)
             with torch.no_grad():
                 b.copy_(where[key].read(key).view(b.shape))
-    del handles, where
-    if missing:
-        logger.warning("from_pretrained under zero.Init: %d parameter(s) not in the checkpoint, newly "
-                       "initialised: %s", len(missing), ", ".join(missing[:8]))
-        model.initialize_weights()  # under zero.Init: the missing ones are written through their placeholders
-    model.tie_weights()
-    model.eval()
-    if output_loading_info:
-        unexpected = []
-        return model, {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": [],
-                       "error_msgs": []}
-    return model
+    return missing
