@@ -28,6 +28,7 @@ from shardspeed.checkpointing.memory import activation_bytes_per_layer
 from shardspeed.config import load_config
 from shardspeed.errors import ConfigError
 from shardspeed.models.gpt import GPT, GPTConfig
+from shardspeed.plan import checkpointing_plan
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
 
@@ -72,6 +73,8 @@ def test_settings_and_config_block():
     st = ck.CheckpointSettings.from_config(cfg.activation_checkpointing)
     assert (st.partition_activations, st.cpu_checkpointing, st.contiguous_memory_optimization, st.number_checkpoints,
             st.synchronize, st.profile, st.policy) == (True, True, True, 4, True, True, "selective")
+    # the engine's path: the plan's activation checkpointing gives the same settings
+    assert ck.CheckpointSettings.from_plan(checkpointing_plan(cfg)) == st
     for block, words in [({"contiguous_memory_optimization": True}, "needs partition_activations"),
                          ({"contiguous_memory_optimization": True, "partition_activations": True},
                           "needs number_checkpoints"),

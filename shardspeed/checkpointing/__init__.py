@@ -5,9 +5,11 @@
     x = checkpointing.checkpoint(block, x)                      # in the model's forward
     engine.enable_activation_checkpointing(policy="selective")  # or wrap every transformer block
 
-See docs/activation-checkpointing.md.
+The engine configures it from its plan with :func:`configure_from_plan`. See docs/activation-checkpointing.md.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
 
 from .core import (
     CHECKPOINTING,
@@ -35,10 +37,30 @@ from .saved import partition_span
 from .settings import CheckpointSettings
 from .wrap import checkpoint_blocks, find_blocks, uncheckpoint_blocks
 
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from ..comm.collectives import CommsLogger
+    from ..mesh.topology import Topology
+    from ..plan import CheckpointingPlan
+
 __all__ = [
     "checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
     "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker", "RNGStatesTracker", "CheckpointSettings",
     "checkpoint_function", "checkpoint_with", "checkpoint_blocks", "uncheckpoint_blocks", "find_blocks", "apply",
     "model_group_comm", "profile_totals", "settings", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
     "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span", "ActivationCheckpointing", "CHECKPOINTING",
+    "configure_from_plan",
 ]
+
+
+def configure_from_plan(plan: CheckpointingPlan, model: nn.Module, topology: Topology,
+                        log: Optional[CommsLogger] = None) -> None:
+    """What the engine does with its plan's activation checkpointing: the plan's settings (over ``topology``'s
+    tensor-parallel group) become the process's when the config has the block or nothing configured it yet, so
+    a configure() the user called before initialize survives a config without the block; ``plan.blocks`` also
+    checkpoints every transformer block of ``model``."""
+    if plan.configure or not is_configured():
+        apply(CheckpointSettings.from_plan(plan), model_group_comm(topology, log))
+    if plan.blocks:
+        checkpoint_blocks(model, policy=plan.policy)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from .policy import policy_contexts
 from .rng import RNGStatesTracker, _generator, seed_tracker
 from .saved import SavedInputs
 from .settings import CheckpointSettings
+
+if TYPE_CHECKING:
+    from ..plan import CheckpointingPlan
 
 logger = logging.getLogger("shardspeed.checkpointing")
 
@@ -69,7 +72,7 @@ class ActivationCheckpointing:
         """See the module-level :func:`configure`."""
         base = CheckpointSettings()
         if deepspeed_config is not None:
-            base = CheckpointSettings.from_config(_block_from_config(deepspeed_config))
+            base = CheckpointSettings.from_plan(_plan_from_config(deepspeed_config))
         overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
                      contiguous_checkpointing, "number_checkpoints": num_checkpoints, "cpu_checkpointing":
                      checkpoint_in_cpu, "synchronize": synchronize, "profile": profile}
@@ -129,7 +132,7 @@ CHECKPOINTING = ActivationCheckpointing()
 
 def apply(settings: CheckpointSettings, comm: Optional[Collectives] = None) -> None:
     """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the process's configuration;
-    what the engine calls with its config's ``activation_checkpointing`` block."""
+    what the engine calls with its plan's activation checkpointing (:func:`configure_from_plan`)."""
     CHECKPOINTING.apply(settings, comm)
 
 
@@ -152,11 +155,13 @@ def _mpu_comm(mpu: Any) -> Optional[Collectives]:
                       f"Megatron-style model-parallel unit); got {type(mpu).__name__}")
 
 
-def _block_from_config(deepspeed_config: Any) -> Any:
+def _plan_from_config(deepspeed_config: Any) -> CheckpointingPlan:
+    """The activation checkpointing ``decide`` makes of a config (dict, JSON path or ShardspeedConfig)."""
     from ..config import ShardspeedConfig, parse_config
+    from ..plan import checkpointing_plan
 
     cfg = deepspeed_config if isinstance(deepspeed_config, ShardspeedConfig) else parse_config(deepspeed_config)
-    return cfg.activation_checkpointing
+    return checkpointing_plan(cfg)
 
 
 def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,

@@ -1,14 +1,18 @@
 """What a checkpoint does with its saved inputs and around its forward and backward: one frozen value.
 
-The engine builds it from the ``activation_checkpointing`` config block; ``configure()`` from its keyword
-arguments (DeepSpeed's names) over an optional DeepSpeed-format config.
+The engine builds it from the plan's :class:`~shardspeed.plan.CheckpointingPlan` (what ``decide`` made of the
+config's ``activation_checkpointing`` block); ``configure()`` from its keyword arguments (DeepSpeed's names)
+over an optional DeepSpeed-format config, whose plan it takes the same way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..plan import CheckpointingPlan
 
 POLICIES = ("full", "selective")
 
@@ -50,3 +54,10 @@ class CheckpointSettings:
                    number_checkpoints=block.number_checkpoints,
                    synchronize=bool(block.synchronize_checkpoint_boundary),
                    profile=bool(block.profile), policy=str(block.policy))
+
+    @classmethod
+    def from_plan(cls, plan: CheckpointingPlan) -> CheckpointSettings:
+        """From the plan's activation checkpointing (:func:`shardspeed.plan.checkpointing_plan`)."""
+        return cls(partition_activations=plan.partitioned, cpu_checkpointing=plan.on_host,
+                   contiguous_memory_optimization=plan.contiguous, number_checkpoints=plan.checkpoints_per_forward,
+                   synchronize=plan.synchronize, profile=plan.profile, policy=plan.policy)

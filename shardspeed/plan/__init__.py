@@ -1,7 +1,7 @@
 """One pure plan decides what a run is: :func:`decide` (config, world size, model facts) -> :class:`Plan`."""
 from __future__ import annotations
 
-from .decide import decide, placement_plan, precision_plan, sharding_plan
+from .decide import checkpointing_plan, decide, placement_plan, precision_plan, sharding_plan
 from .types import (
     MESH_DIMS,
     BatchPlan,
@@ -17,6 +17,6 @@ from .types import (
     TensorParallelPlan,
 )
 
-__all__ = ["decide", "sharding_plan", "placement_plan", "precision_plan", "MESH_DIMS", "Plan", "ModelFacts",
-           "MeshPlan", "ShardingPlan", "PlacementPlan", "PrecisionPlan", "LossScalePlan", "BatchPlan",
+__all__ = ["decide", "sharding_plan", "placement_plan", "precision_plan", "checkpointing_plan", "MESH_DIMS", "Plan",
+           "ModelFacts", "MeshPlan", "ShardingPlan", "PlacementPlan", "PrecisionPlan", "LossScalePlan", "BatchPlan",
            "CheckpointingPlan", "PipelinePlan", "TensorParallelPlan"]

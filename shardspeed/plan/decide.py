@@ -45,9 +45,7 @@ def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
         mesh=mesh, sharding=sharding_plan(cfg, mesh, pipelined=facts.pipeline_stages is not None),
         placement=placement_plan(cfg), precision=precision_plan(cfg),
         batch=BatchPlan(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps),
-        checkpointing=CheckpointingPlan(blocks=bool(cfg.activation_checkpointing.enabled),
-                                        policy=cfg.activation_checkpointing.policy,
-                                        configure="activation_checkpointing" in cfg.model_fields_set),
+        checkpointing=checkpointing_plan(cfg),
         pipeline=PipelinePlan(stages=mesh.pipe, schedule=cfg.pipeline.schedule,
                               virtual_stages=cfg.pipeline.virtual_stages),
         tensor_parallel=TensorParallelPlan(size=mesh.model, preset_model=cfg.tensor_parallel.preset_model,
@@ -125,6 +123,18 @@ def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False
         prefetch_bucket=int(z.prefetch_bucket_size), persistence_threshold=int(z.param_persistence_threshold),
         max_live_parameters=int(z.max_live_parameters),
         gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save),
+    )
+
+
+def checkpointing_plan(cfg: ShardspeedConfig) -> CheckpointingPlan:
+    """``activation_checkpointing``: ``enabled`` checkpoints every block; ``configure`` when the config has the
+    block at all (a config without it leaves a user's earlier ``checkpointing.configure()`` in force)."""
+    ck = cfg.activation_checkpointing
+    return CheckpointingPlan(
+        blocks=bool(ck.enabled), policy=ck.policy, configure="activation_checkpointing" in cfg.model_fields_set,
+        partitioned=bool(ck.partition_activations), on_host=bool(ck.cpu_checkpointing),
+        contiguous=bool(ck.contiguous_memory_optimization), checkpoints_per_forward=ck.number_checkpoints,
+        synchronize=bool(ck.synchronize_checkpoint_boundary), profile=bool(ck.profile),
     )
 
 

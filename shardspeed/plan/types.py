@@ -149,11 +149,23 @@ class BatchPlan:
 @dataclass(frozen=True)
 class CheckpointingPlan:
     """Activation checkpointing: ``blocks`` checkpoints every transformer block with ``policy``;
-    ``configure``: the block's settings replace whatever shardspeed.checkpointing holds."""
+    ``configure``: these settings replace whatever shardspeed.checkpointing holds.
+
+    What every checkpoint does: ``partitioned`` splits its saved inputs over the model (tensor-parallel)
+    dimension; ``on_host`` keeps them in host memory; ``contiguous`` copies the partitions into one
+    preallocated buffer per input position, sized by ``checkpoints_per_forward`` (the checkpointed blocks one
+    forward runs); ``synchronize`` synchronises the device around each forward and backward; ``profile``
+    times them."""
 
     blocks: bool = False
     policy: str = "full"
     configure: bool = False
+    partitioned: bool = False
+    on_host: bool = False
+    contiguous: bool = False
+    checkpoints_per_forward: Optional[int] = None
+    synchronize: bool = False
+    profile: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..autotune.probe import build_profile_window
+from ..checkpointing import configure_from_plan
 from ..comm.collectives import Collectives, CommsLogger
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
@@ -22,7 +23,7 @@ from ..pipe.engine import PipelineEngine
 from ..pipe.module import PipelineModule
 from ..pipe.plan import plan_pipeline
 from ..pipe.ties import TiedGradients, build_tie_groups
-from ..plan import CheckpointingPlan, LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
+from ..plan import LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of
@@ -152,7 +153,7 @@ def build_engine(
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
-    _activation_checkpointing(plan.checkpointing, cfg.activation_checkpointing, model, topo, comms_logger)
+    configure_from_plan(plan.checkpointing, model, topo, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if plan.precision.compute != torch.float32:
@@ -270,19 +271,6 @@ def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogg
     ties = build_tie_groups(model, topo, pipe_plan.schedule, pipe_plan.virtual_stages, log) \
         if isinstance(model, PipelineModule) and pipe_plan is not None else []
     return tp_state, ties, groups
-
-
-def _activation_checkpointing(ck: CheckpointingPlan, block, model: nn.Module, topo: Topology, log: CommsLogger) -> None:
-    """Configure shardspeed.checkpointing from the ``activation_checkpointing`` block (its keys, the mesh's
-    tensor-parallel group) when the config has the block or nothing configured it yet, so a configure() the
-    user called before initialize survives a config without the block; the plan's ``blocks`` also checkpoints
-    every transformer block of the model."""
-    from ..checkpointing import CheckpointSettings, apply, checkpoint_blocks, is_configured, model_group_comm
-
-    if ck.configure or not is_configured():
-        apply(CheckpointSettings.from_config(block), model_group_comm(topo, log))
-    if ck.blocks:
-        checkpoint_blocks(model, policy=ck.policy)
 
 
 def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topology):
