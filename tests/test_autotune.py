@@ -35,6 +35,8 @@ from shardspeed.autotune.space import (
     default_space,
     enumerate_candidates,
     micro_batch_sizes,
+    user_global_batch,
+    user_plan,
 )
 from shardspeed.autotune.trials import run_command
 from shardspeed.cli import main
@@ -446,6 +448,19 @@ def test_tp_candidates_split_the_world_and_keep_the_global_batch():
     assert default_space(3, 2, tp_sizes=(2,)).micro_batches == (1, 3)
     with pytest.raises(ConfigError, match="not a multiple of the data-parallel size 2"):
         default_space(3, 2)
+
+
+def test_the_tuner_starts_from_the_plan_of_the_users_config():
+    """The global batch it keeps, the TP degree it searches without a model shape and the bucket of its cost
+    model are decide's (the autotuning block aside); a config that cannot train at the world is its ConfigError."""
+    user = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "tensor_parallel": {"autotp_size": 2},
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}, "autotuning": {"enabled": True}}
+    plan = user_plan(user, 8)
+    assert (plan.batch.global_batch, plan.mesh.model, plan.sharding.reduce_bucket) == (2 * 3 * 4, 2, 1000)
+    assert user_global_batch(user, 8) == 24 and user_global_batch({"train_batch_size": 16}, 2) == 16
+    assert user_plan({"train_batch_size": 16}, 2).sharding.reduce_bucket == 500_000_000
+    with pytest.raises(ConfigError, match="not divisible"):
+        user_plan({**user, "tensor_parallel": {"autotp_size": 3}}, 8)
 
 
 TP_INFO = replace(INFO, tp_layers=4, tp_elems_per_sample=64 * 512)

@@ -28,11 +28,12 @@ import torch
 from shardspeed.config import AutotuningConfig, parse_config
 from shardspeed.errors import ConfigError, ShardspeedError
 from shardspeed.estimate import ModelSpec
+from shardspeed.plan import Plan
 
 from .memory import EstimatorMemoryModel
 from .model import CostModel, LinkProfile, Measurement, ModelInfo, fits
 from .report import CandidateRecord, optimal_config_path, write_experiment, write_optimal, write_summary
-from .space import Candidate, TuningSpace, apply_candidate, default_space, enumerate_candidates, user_global_batch
+from .space import Candidate, TuningSpace, apply_candidate, default_space, enumerate_candidates, user_plan
 from .trials import TrialResult, launch_command, run_command, trial_command
 
 logger = logging.getLogger("shardspeed.autotune")
@@ -145,7 +146,8 @@ class Tuner:
         if self.config is None:  # the whole config is checked here, before any trial runs
             self.config = parse_config(self.user_config).autotuning
         at = self.config
-        self.global_batch = user_global_batch(self.user_config, self.nproc)
+        self.user_plan: Plan = user_plan(self.user_config, self.nproc)  # the run the user's config describes
+        self.global_batch = self.user_plan.batch.global_batch
         if at.max_train_batch_size is not None and self.global_batch > at.max_train_batch_size:
             raise ConfigError(f"the config's global batch {self.global_batch} is above autotuning.max_train_batch_size "
                               f"{at.max_train_batch_size}; lower train_batch_size or raise the bound")
@@ -168,11 +170,10 @@ class Tuner:
     def _tp_sizes(self) -> Tuple[int, ...]:
         """Tensor-parallel degrees to search: every divisor of the world that divides the model's heads,
         vocabulary and FFN width when ``model_spec`` gives its shape (the cost model needs it for the
-        all-reduces); otherwise the user's ``tensor_parallel.autotp_size`` alone (1 when unset)."""
+        all-reduces); otherwise the user's plan's degree alone (``tensor_parallel.autotp_size``, 1 when unset)."""
         shape = self.model_spec.shape if self.model_spec is not None else None
         if shape is None:
-            user = (self.user_config.get("tensor_parallel") or {}).get("autotp_size") or 1
-            return (int(user),)
+            return (self.user_plan.mesh.model,)
         return tuple(t for t in range(1, self.nproc + 1) if self.nproc % t == 0 and shape.n_head % t == 0
                      and shape.vocab % t == 0 and shape.ffn_hidden % t == 0)
 
@@ -283,8 +284,7 @@ class Tuner:
         info = ModelInfo(num_params=int(infos["num_params"]) * tp, largest_unit=int(infos["largest_unit"]) * tp,
                          num_units=int(infos["num_units"]), dtype=_dtype(self.user_config), world_size=self.nproc,
                          device_is_host=not torch.cuda.is_available(),
-                         default_bucket=int((self.user_config.get("zero_optimization") or {})
-                                            .get("reduce_bucket_size", 500_000_000)),
+                         default_bucket=self.user_plan.sharding.reduce_bucket,
                          tp_layers=shape.n_layer if shape else 0,
                          tp_elems_per_sample=(self.seq_len or shape.max_seq) * shape.hidden if shape else 0)
         memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],

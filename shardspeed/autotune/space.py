@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from shardspeed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardspeed.plan import Plan
 
 #: Dotted config key of the engine's activation-checkpointing switch (``activation_checkpointing.enabled``,
 #: shardspeed's extension key: every transformer block checkpointed; DeepSpeed ignores it). None would
@@ -180,12 +183,17 @@ def _set_dotted(cfg: Dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
+def user_plan(user_config: Dict[str, Any], world: int) -> Plan:
+    """The plan of the user's own config at ``world`` ranks (its ``autotuning`` block aside), as
+    :func:`shardspeed.plan.decide` makes it: the tuner keeps its global batch and starts from its
+    tensor-parallel degree and gradient bucket size. A config that cannot train at ``world`` ranks is
+    decide's ConfigError."""
+    from shardspeed.plan import decide
+
+    return decide({k: v for k, v in user_config.items() if k != "autotuning"}, world)
+
+
 def user_global_batch(user_config: Dict[str, Any], world: int) -> int:
     """The global batch the user's config trains with at ``world`` ranks (what the tuner keeps; its data-parallel
-    size is the world over the config's tensor-parallel degree)."""
-    from shardspeed.config import load_config
-
-    tp = int((user_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
-    resolved = load_config({k: v for k, v in user_config.items() if k != "autotuning"}, world_size=max(world // tp, 1))
-    assert resolved.train_batch_size is not None
-    return int(resolved.train_batch_size)
+    size is the world over the plan's model-parallel dimensions)."""
+    return user_plan(user_config, world).batch.global_batch
