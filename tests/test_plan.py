@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.errors import ConfigError
-from shardspeed.plan import MESH_DIMS, MeshPlan, ModelFacts, decide
+from shardspeed.plan import MESH_DIMS, MeshPlan, ModelFacts, decide, zero_variant
 
 BASE = {"train_batch_size": 16}
 
@@ -29,12 +29,12 @@ TABLE = [
     (_cfg(zero_optimization={"stage": 1, "reduce_scatter": False}), 2, None, {"sharding.reduce_op": "all_reduce"}),
     (_cfg(zero_optimization={"stage": 2}), 2, None,
      {"sharding.partition_gradients": True, "sharding.reduce_every_micro_step": True,
-      "sharding.reductions_in_flight": 2, "sharding.reduce_bucket": 500_000_000}),
+      "sharding.buckets_alive": 3, "sharding.reduce_bucket": 500_000_000}),
     (_cfg(zero_optimization={"stage": 2}), 2, ModelFacts(pipeline_stages=1),
      {"sharding.reduce_every_micro_step": False}),  # a pipeline reduces once at the boundary
     (_cfg(zero_optimization={"stage": 3, "reduce_scatter": False}), 2, None,
      {"sharding.partition_parameters": True, "sharding.reduce_op": "reduce_scatter",
-      "sharding.gather_after_step": False, "sharding.reductions_in_flight": 1,
+      "sharding.gather_after_step": False, "sharding.buckets_alive": 1,
       "sharding.prefetch_bucket": 50_000_000, "sharding.persistence_threshold": 100_000}),
     (_cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
      2, None, {"placement.params": "host", "placement.optimizer": "host"}),
@@ -137,3 +137,23 @@ def test_decide_is_pure(monkeypatch):
     a = decide(_cfg(zero_optimization={"stage": 3}), 4)
     b = decide(_cfg(zero_optimization={"stage": 3}), 4)
     assert a == b and hash(a.mesh) == hash(b.mesh)
+
+
+def test_a_zero_variant_is_planned_at_its_stage_and_offload():
+    """zero_variant rewrites only the stage and the offload devices (the estimate table's rows); decide says
+    which combinations are valid."""
+    base = _cfg(bf16={"enabled": True}, zero_optimization={"stage": 1, "reduce_bucket_size": 1000,
+                                                           "offload_optimizer": {"device": "cpu", "pin_memory": False}})
+    v = zero_variant(base, 3, "nvme", "cpu")
+    assert base["zero_optimization"]["stage"] == 1 and v["bf16"] == base["bf16"]  # a copy, the rest kept
+    assert v["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000, "offload_param": {"device": "cpu"},
+                                      "offload_optimizer": {"device": "nvme", "pin_memory": False,
+                                                            "nvme_path": "/local_nvme"}}
+    plan = decide(v, 2)
+    assert (plan.sharding.stage, plan.placement.optimizer, plan.placement.params, plan.sharding.reduce_bucket) == (
+        3, "file", "host", 1000)
+    assert plan.placement.optimizer_path == "/local_nvme" and not plan.placement.pin_memory
+    plain = decide(zero_variant(base, 2), 2)
+    assert (plain.sharding.stage, plain.placement.optimizer, plain.placement.params) == (2, "device", "device")
+    with pytest.raises(ConfigError, match="offload_param"):
+        decide(zero_variant(base, 2, "none", "cpu"), 2)

@@ -1,11 +1,11 @@
 """The ``shardspeed estimate`` peak table: one model, one base config, every stage × offload choice."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
+from ..plan import zero_variant
 from .model import ModelSpec
 from .peak import PeakEstimate, estimate_peak
 
@@ -30,21 +30,8 @@ class PeakRow:
 
 def config_for(base: Dict[str, Any], stage: int, optim: str, param: str, nvme_path: str = "/local_nvme"
                ) -> Dict[str, Any]:
-    """``base`` with ``zero_optimization.stage`` and the offload devices replaced (nothing else touched)."""
-    cfg = copy.deepcopy(base)
-    zero = dict(cfg.get("zero_optimization") or {})
-    zero["stage"] = stage
-    for key, dev in (("offload_optimizer", optim), ("offload_param", param)):
-        block = dict(zero.get(key) or {})
-        if dev == "none":
-            zero.pop(key, None)
-            continue
-        block["device"] = dev
-        if dev == "nvme":
-            block.setdefault("nvme_path", nvme_path)
-        zero[key] = block
-    cfg["zero_optimization"] = zero
-    return cfg
+    """``base`` at ``stage`` with the offload devices ``optim`` and ``param`` (:func:`shardspeed.plan.zero_variant`)."""
+    return zero_variant(base, stage, optim, param, nvme_path)
 
 
 def peak_rows(spec: ModelSpec, base: Dict[str, Any], *, world_size: int, stages: Sequence[int] = (0, 1, 2, 3),

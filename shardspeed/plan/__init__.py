@@ -16,7 +16,8 @@ from .types import (
     ShardingPlan,
     TensorParallelPlan,
 )
+from .variants import zero_variant
 
 __all__ = ["decide", "sharding_plan", "placement_plan", "precision_plan", "checkpointing_plan", "MESH_DIMS", "Plan",
            "ModelFacts", "MeshPlan", "ShardingPlan", "PlacementPlan", "PrecisionPlan", "LossScalePlan", "BatchPlan",
-           "CheckpointingPlan", "PipelinePlan", "TensorParallelPlan"]
+           "CheckpointingPlan", "PipelinePlan", "TensorParallelPlan", "zero_variant"]
