@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,49 @@ def init_distributed(
         method = init_method or f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(init_method=method, rank=0, world_size=1, **kwargs)
     logger.info("initialised %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> datetime.timedelta:
+    """How long a collective of ``group`` (default: the world group) may wait, read back from torch.
+
+    Every group shardspeed creates is given the world group's, the one :func:`init_distributed` set
+    (``timeout``, else ``SHARDSPEED_TIMEOUT``), or the one the user's own ``init_process_group`` chose;
+    torch's default for a new group would be 30 minutes. ``DEFAULT_TIMEOUT_S`` if torch does not say."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options (a plugin, a fake one)
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def new_group(ranks: Sequence[int], desc: Optional[str] = None) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the world group's timeout (:func:`group_timeout`); collective over
+    the world (every rank creates every group, in the same order). ``desc``: the group's description
+    (``ProcessGroup.group_desc``), which error messages name it by."""
+    return dist.new_group(ranks=sorted(ranks), timeout=group_timeout(), group_desc=desc)
+
+
+def backend_options(timeout: datetime.timedelta) -> Any:
+    """Options of the default group's backend carrying ``timeout``, for a group torch creates itself
+    (``init_device_mesh(backend_override=...)``, whose groups would otherwise get torch's 30-minute
+    default); None for a backend other than gloo and NCCL (its groups keep torch's default). A new object
+    per call: torch keeps the object in the group it creates."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend:
+        nccl = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl is None:
+            return None
+        opts = nccl.Options()
+        opts._timeout = timeout
+        return opts
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    if backend == "gloo" and gloo is not None:
+        return gloo.Options("gloo", timeout)
+    return None
 
 
 _shutdowns = 0  # shutdown_distributed calls in this process: part of its store keys

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError
-from .init import local_device
+from .init import backend_options, group_timeout, local_device, new_group
 
 #: The mesh's dimension names, outermost first.
 MESH_DIMS = ("pipe", "data", "model")
@@ -110,11 +110,14 @@ class Topology:
         """A new Topology of the ``(pipe, data, model)`` mesh ``sizes`` (new groups; collective); what
         :meth:`TopologyRegistry.mesh` builds once per mesh. ``dims``: the device mesh's dimensions, in the
         plan's order; the ones beyond pipe, data and model (expert, sequence) have size 1 (they leave every
-        rank's coordinates and the other groups as they are)."""
+        rank's coordinates and the other groups as they are). Every group gets the world group's timeout
+        (:func:`~shardspeed.mesh.init.group_timeout`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         known = dict(zip(MESH_DIMS, sizes))
-        mesh = init_device_mesh(device.type, tuple(known.get(n, 1) for n in dims), mesh_dim_names=tuple(dims))
+        shape = tuple(known.get(n, 1) for n in dims)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(dims),
+                                backend_override=_timeout_overrides(dims, shape) or None)
         groups = {name: mesh.get_group(name) for name in dims}
         ranks = {name: mesh.get_local_rank(name) for name in dims}
         p, d, m = sizes
@@ -124,7 +127,8 @@ class Topology:
         elif m == 1:
             mp_group = groups["pipe"]
         else:
-            mp_group = _new_groups([[r for plane in mesh_ranks(p, d, m) for r in plane[di]] for di in range(d)])
+            mp_group = _new_groups([[r for plane in mesh_ranks(p, d, m) for r in plane[di]] for di in range(d)],
+                                   desc="mp")
         return cls(
             dp_group=groups["data"], dp_rank=ranks["data"], dp_size=d, device=device, mesh=mesh,
             pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
@@ -164,6 +168,18 @@ class Topology:
     def mesh_shape(self) -> Tuple[int, int, int]:
         """``(pipe, data, model)`` sizes."""
         return self.pipe_size, self.dp_size, self.model_size
+
+    def dim_of(self, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+        """The name of this rank's group ``group`` in this topology: a mesh dimension (``"data"``,
+        ``"pipe"``, ``"model"``, ``"sequence"``, ``"expert"``) or ``"mp"`` (pipe × model); the first in
+        that order where one group is several (a dimension of the whole world, ``mp`` of one dimension).
+        None where ``group`` is none of them. For error messages."""
+        named = (("data", self.dp_group), ("pipe", self.pipe_group), ("model", self.model_group),
+                 ("sequence", self.sequence_group), ("expert", self.expert_group), ("mp", self.mp_group))
+        for name, g in named:
+            if g is group and (g is not None or name == "data"):  # None: the world for dp_group only
+                return name
+        return None
 
 
 class TopologyRegistry:
@@ -275,14 +291,62 @@ def _gather_reports(report: Any) -> List[Any]:
     return reports
 
 
-def _new_groups(rank_lists: List[List[int]]) -> Optional[dist.ProcessGroup]:
-    """Create one group per rank list (every rank creates every group, in order); return this rank's."""
+def _new_groups(rank_lists: List[List[int]], desc: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """Create one group per rank list (every rank creates every group, in order, each with the world
+    group's timeout); return this rank's."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
-        group = dist.new_group(ranks=sorted(ranks))
+        group = new_group(ranks, desc)
         if me in ranks:
             mine = group
     return mine
+
+
+def _timeout_overrides(dims: Sequence[str], shape: Sequence[int]) -> Dict[Any, Any]:
+    """``init_device_mesh``'s ``backend_override``: the world group's timeout for each dimension torch
+    creates groups for. A dimension of the whole world reuses the world group itself (torch's rule in
+    ``DeviceMesh._init_one_process_group``: unless the world group is gloo on a machine with CUDA), so it
+    is left out and keeps that group. Empty for a backend other than gloo and NCCL."""
+    world, timeout = dist.get_world_size(), group_timeout()
+    reuses_world = not (torch.cuda.is_available() and dist.get_backend() == "gloo")
+    out: Dict[Any, Any] = {}
+    for name, size in zip(dims, shape):
+        if size == world and reuses_world:
+            continue
+        opts = backend_options(timeout)  # one object per dimension: torch keeps it in the groups
+        if opts is None:
+            return {}
+        out[name] = opts
+    return out
+
+
+def describe_group(group: Optional[dist.ProcessGroup], topology: Optional[Topology] = None) -> str:
+    """How an error message names ``group`` (None: the world): its name in ``topology``, else in the
+    meshes and current topology of :data:`TOPOLOGIES` (:meth:`Topology.dim_of`), else its description
+    (``"mesh_pipe"`` → pipe, a tie group's); then its global ranks. E.g. ``"the data group (global ranks
+    [1, 3])"``."""
+    name = None
+    for topo in (topology, TOPOLOGIES.current(), *TOPOLOGIES.meshes()):
+        if topo is not None and name is None:
+            name = topo.dim_of(group)
+    if name is None:
+        desc = str(getattr(group, "group_desc", "") or "")
+        default = group is None or group is dist.distributed_c10d._get_default_group()
+        if default:
+            name = "world"
+        elif desc.startswith("mesh_"):
+            name = desc[len("mesh_"):]
+        elif desc and desc not in ("undefined", "default_pg"):
+            name = desc
+    return f"the {name or 'process'} group (global ranks {group_ranks(group)})"
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
+    """The global ranks of ``group`` (None: the world); [] where torch cannot say (not a member)."""
+    try:
+        return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return []
 
 
 def _rank_size(group: Any) -> Tuple[int, int]:

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
+from ..mesh.init import new_group
 from ..mesh.topology import Topology, mesh_ranks
 from .module import PipelineModule
 from .partition import rank_of_stage
@@ -50,7 +51,7 @@ def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virt
         for d in range(topo.dp_size):
             for m in range(topo.model_size):
                 members = [ranks[p][d][m] for p in pipes]
-                group = dist.new_group(ranks=members)
+                group = new_group(members, desc=f"tie_{key}")  # the world group's timeout
                 if me in members:
                     mine = group
         if mine is None:
