@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from ..mesh.topology import Topology
+from ..mesh.topology import Topology, describe_group, group_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -204,25 +204,29 @@ def _explain(describe: str, exc: BaseException, cause: Optional[str] = None) -> 
 
 
 class Collectives:
-    """The collectives of one topology's data-parallel group, each logged."""
+    """The collectives of one topology's data-parallel group, each logged. A failed one raises a
+    `DistributedError` naming the operation and the group: its mesh dimension and global ranks."""
 
-    def __init__(self, topology: Topology, logger_: Optional[CommsLogger] = None):
+    def __init__(self, topology: Topology, logger_: Optional[CommsLogger] = None,
+                 _names_group: bool = True):
         self.topology = topology
         self.group = topology.dp_group
         self.world = topology.dp_size
         self.log = logger_ if logger_ is not None else CommsLogger()
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
         self.gloo_slice_bytes = 16 * 2**20
+        #: "over the data group (global ranks [0, 2])": what the error messages name the group by
+        self.where = f"over {describe_group(self.group, topology if _names_group else None)}" if self.world > 1 else ""
 
     @classmethod
     def over(cls, group: Optional[dist.ProcessGroup], logger_: Optional[CommsLogger] = None) -> Collectives:
         """The collectives of another process group of the mesh (model, pipe, a tie group; None: the world),
         logged into ``logger_``."""
-        return cls(Topology.data_parallel(group), logger_)
+        return cls(Topology.data_parallel(group), logger_, _names_group=False)
 
     def _run(self, op: str, fn, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> CommHandle:
         rec = self.log.start(op, tensor, self.world)
-        describe = f"{op}({tensor.numel()} x {tensor.dtype})"
+        describe = f"{op}({tensor.numel()} x {tensor.dtype}) {self.where}"
         if self.world == 1:
             self.log.finish(rec)
             return CommHandle(out, None, rec, describe, self.log)
@@ -303,7 +307,7 @@ class Collectives:
         try:
             fn()
         except RuntimeError as exc:  # gloo/nccl: timeout or a peer gone
-            raise _explain(f"{op}(group of {self.world})", exc, cause) from exc
+            raise _explain(f"{op} {self.where}", exc, cause) from exc
         finally:
             self.log.finish(rec)
 
@@ -318,7 +322,8 @@ class Collectives:
         try:
             dist.all_reduce(tensor, group=topo.mp_group)
         except RuntimeError as exc:
-            raise _explain(f"all_reduce({tensor.numel()} x {tensor.dtype}) over the model-parallel group", exc) from exc
+            raise _explain(f"all_reduce({tensor.numel()} x {tensor.dtype}) over the model-parallel group (pipe × "
+                           f"model, global ranks {group_ranks(topo.mp_group)})", exc) from exc
         self.log.finish(rec)
 
     def barrier(self, cause: Optional[str] = None) -> None:
