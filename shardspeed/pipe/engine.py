@@ -23,7 +23,7 @@ from ..comm.collectives import Collectives
 from ..errors import DistributedError, ShardspeedError
 from ..runtime.engine import Engine, EngineParts, move_inputs
 from .module import PipelineModule
-from .schedules import ScheduleCache, StageChunk, build_schedule
+from .schedules import ScheduleCache, StageChunk, build_schedule, p2p_errors
 from .ties import TiedGradients
 
 logger = logging.getLogger("shardspeed")
@@ -144,9 +144,9 @@ class PipelineEngine(Engine):
                     micro.append(next(data_iter))
                 except StopIteration:
                     break
-        record = (self._reads_data(), len(micro), [_fingerprint(b) for b in micro])
+        record = (self._reads_data(), len(micro), [_fingerprint(b) for b in micro], self._input_problem(micro))
         seen = self._pipe.pipe_comm.all_gather_object(record, cause="every pipeline rank must call train_batch")
-        readers = [(r, n, fps) for r, (reads, n, fps) in enumerate(seen) if reads]
+        readers = [(r, n, fps) for r, (reads, n, fps, _) in enumerate(seen) if reads]
         counts = {n for _, n, _ in readers}
         if counts == {0}:
             raise StopIteration
@@ -162,13 +162,30 @@ class PipelineEngine(Engine):
                         f"micro-batch {k} differs between pipe rank {readers[0][0]} (which feeds the inputs) and "
                         f"pipe rank {r} (labels): inputs and labels would come from different micro-batches. "
                         f"Give the first and last stages iterators that yield the same batches in the same order")
+        problems = [(r, problem) for r, (*_, problem) in enumerate(seen) if problem]
+        if problems:  # raised on every stage, not only where the data was read
+            raise ShardspeedError(f"{problems[0][1]} (read on pipe rank {problems[0][0]})")
+        return micro, readers[0][2]
+
+    def _input_problem(self, micro: List[Any]) -> Optional[str]:
+        """What is wrong with this rank's micro-batches, if anything (checked on every stage after the
+        exchange)."""
         for b in micro:
             if not (isinstance(b, (tuple, list)) and len(b) == 2):
-                raise ShardspeedError("each item of data_iter must be an (inputs, labels) pair")
-        return micro, readers[0][2]
+                return "each item of data_iter must be an (inputs, labels) pair"
+            if self.is_last_stage() and self.module.loss_fn is not None and not torch.is_tensor(b[1]):
+                return "labels must be one tensor per micro-batch"
+        return None
 
     def _run(self, data_iter: Optional[Iterator], m: int, train: bool) -> Any:
         micro, signature = self._load(data_iter, m)
+        # every stage has the agreed shapes: every stage raises for micro-batches of different shapes
+        differ = [k for k, fp in enumerate(signature) if [x[0] for x in fp] != [x[0] for x in signature[0]]]
+        if differ:
+            raise ShardspeedError(f"the micro-batches of one step must have the same shapes (sequence length may "
+                                  f"change between steps, not within one): micro-batch {differ[0]} has "
+                                  f"{[x[0] for x in signature[differ[0]]]}, micro-batch 0 "
+                                  f"{[x[0] for x in signature[0]]}")
         shapes = tuple(tuple(x[:2] for x in fp) for fp in signature)
         cache = self._train_cache if train else self._eval_cache
         schedule = cache.get(shapes, m)
@@ -176,26 +193,22 @@ class PipelineEngine(Engine):
         target = None
         if micro:
             micro = [move_inputs(tuple(b), self.device, self.train_dtype) for b in micro]
-            if any(tuple(t.shape) != tuple(s.shape) for b in micro for t, s in zip(_tensors(b), _tensors(micro[0]))):
-                raise ShardspeedError("the micro-batches of one step must have the same shapes (sequence length "
-                                      "may change between steps, not within one)")
             inputs = _cat([b[0] for b in micro])
             labels = [b[1] for b in micro]
             if self.is_first_stage():
                 args = inputs if isinstance(inputs, tuple) else (inputs,)
             if self.is_last_stage() and self.module.loss_fn is not None:
-                if not torch.is_tensor(labels[0]):
-                    raise ShardspeedError("labels must be one tensor per micro-batch")
                 target = torch.cat(labels, dim=0)
         losses: List[torch.Tensor] = []  # the schedule's, one per micro-batch (its shape inference adds none)
         outputs = None
-        if train:
-            self._loss_factor = self.loss_scale / m
-            schedule.step(*args, target=target, losses=losses)
-        else:
-            self._loss_factor = 1.0
-            with torch.no_grad():
-                outputs = schedule.eval(*args, target=target, losses=losses)
+        with p2p_errors(schedule, self._pipe.stage_ids, self.global_steps + 1):  # a failed transfer: named
+            if train:
+                self._loss_factor = self.loss_scale / m
+                schedule.step(*args, target=target, losses=losses)
+            else:
+                self._loss_factor = 1.0
+                with torch.no_grad():
+                    outputs = schedule.eval(*args, target=target, losses=losses)
         self._losses = [t.detach().float() / self._loss_factor for t in losses]
         return outputs
 
