@@ -1,4 +1,4 @@
-"""Logged collectives: results, byte accounting, and gloo's sliced all-gather."""
+"""Logged collectives: results, byte accounting, and gloo's all-gather by broadcasts."""
 import torch
 from distributed import run_distributed
 
@@ -17,10 +17,13 @@ def _cases():
     full = torch.zeros(world * n)
     c.all_gather(full, shard, async_op=True).wait()
     out["plain"] = full.clone()
-    c.gloo_slice_bytes = 40  # slices of 10 elements: 4 collectives
+    c.gloo_broadcast_bytes = 40  # the 148-byte pieces now go by broadcasts: one logged all-gather
     full.zero_()
     c.all_gather(full, shard, async_op=True).wait()
-    out["sliced"] = full.clone()
+    out["broadcasts"] = full.clone()
+    full.zero_()
+    c.all_gather(full, shard)
+    out["broadcasts_sync"] = full.clone()
     x = torch.full((8,), float(rank + 1))
     c.all_reduce(x)
     out["all_reduce"] = x
@@ -36,14 +39,15 @@ def test_collectives_and_their_log():
     r0, r1 = run_distributed(_cases, 2)
     expect = torch.cat([torch.arange(37, dtype=torch.float32) + 1000 * k for k in range(2)])
     for r in (r0, r1):
-        assert torch.equal(r["plain"], expect) and torch.equal(r["sliced"], expect)
+        assert torch.equal(r["plain"], expect) and torch.equal(r["broadcasts"], expect)
+        assert torch.equal(r["broadcasts_sync"], expect)
         assert torch.equal(r["all_reduce"], torch.full((8,), 3.0))
         s = r["summary"]
-        assert s["all_gather"]["count"] == 1 + 4
-        assert s["all_gather"]["msg_bytes"] == 2 * 2 * 37 * 4  # the sliced gather moves the same bytes
+        assert s["all_gather"]["count"] == 3
+        assert s["all_gather"]["msg_bytes"] == 3 * 2 * 37 * 4  # by broadcasts or not, the same message
         assert s["all_reduce"]["paper_bytes"] == 2 * 8 * 4  # an all-reduce of Ψ counts 2Ψ
         assert s["reduce_scatter"]["ring_bytes"] == 8 * 4 / 2  # (N-1)/N of the message at N = 2
-        assert r["records"] == 7
+        assert r["records"] == 5
     assert torch.equal(r0["reduce_scatter"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
     assert torch.equal(r1["reduce_scatter"], torch.tensor([8.0, 10.0, 12.0, 14.0]))
 

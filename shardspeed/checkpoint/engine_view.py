@@ -234,7 +234,7 @@ class EngineView:
     def write_back_masters(self) -> None:
         """Masters → low-precision chunks → all-gather full units (stages 1-2), as after an optimizer step.
 
-        (The gather is sliced on gloo by :class:`~shardspeed.comm.collectives.Collectives`, so a load does not
+        (On gloo :class:`~shardspeed.comm.collectives.Collectives` gathers large pieces by broadcasts, so a load does not
         hold a second copy of the model.)"""
         self.master.sync_params_from_masters()
         manager = self.parts.param_manager

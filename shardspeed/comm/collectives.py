@@ -22,14 +22,55 @@ from ..mesh.topology import Topology, describe_group, group_ranks
 
 logger = logging.getLogger(__name__)
 
-def _all_gather_tensor(output, input, group, async_op):
+def _all_gather_tensor(output, input, group, async_op, chunks=False):
     # torch >= 2.12 renames the tensor-in/tensor-out collectives; looked up per call so that wrappers
-    # installed on torch.distributed later (profilers, byte counters) see our traffic too
+    # installed on torch.distributed later (profilers, byte counters) see our traffic too.
+    # ``chunks`` (gloo): the list form over views of the output's per-rank chunks
+    if chunks:
+        return dist.all_gather(list(output.view(-1, input.numel()).unbind(0)), input, group=group, async_op=async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
 
 
-def _reduce_scatter_tensor(output, input, group, async_op):
+class _Works:
+    """The works of one logical collective issued as several (a gather's broadcasts), waited on as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: List[Any]):
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _broadcast_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> Optional[_Works]:
+    """All-gather as one broadcast per rank, each straight into its chunk of ``output``: the same bytes per
+    rank ((N-1) pieces sent, (N-1) received), and no temporary, where gloo's all-gather (tensor and list
+    forms) holds one as large as the whole output until its work is gone."""
+    parts = output.view(-1, input.numel()).unbind(0)
+    parts[dist.get_rank(group)].copy_(input)
+    works = [dist.broadcast(p, src=dist.get_global_rank(group, r) if group is not None else r, group=group,
+                            async_op=True) for r, p in enumerate(parts)]
+    handle = _Works(works)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _reduce_scatter_tensor(output, input, group, async_op, chunks=False):
+    # ``chunks`` (gloo): the list form over views of the input's per-rank chunks reduces without a copy;
+    # gloo's tensor form copies its whole input into a temporary first (a full-size bucket more per
+    # reduction in flight)
+    if chunks:
+        return dist.reduce_scatter(output, list(input.view(-1, output.numel()).unbind(0)), group=group,
+                                   async_op=async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
 
@@ -214,7 +255,8 @@ class Collectives:
         self.world = topology.dp_size
         self.log = logger_ if logger_ is not None else CommsLogger()
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
-        self.gloo_slice_bytes = 16 * 2**20
+        #: gloo: gathers whose per-rank piece is at least this large run as broadcasts (:func:`_broadcast_gather`)
+        self.gloo_broadcast_bytes = 64 * 2**10
         #: "over the data group (global ranks [0, 2])": what the error messages name the group by
         self.where = f"over {describe_group(self.group, topology if _names_group else None)}" if self.world > 1 else ""
 
@@ -253,7 +295,7 @@ class Collectives:
             return self._run("reduce_scatter", None, input, output, async_op)
         return self._run(
             "reduce_scatter",
-            lambda a: _reduce_scatter_tensor(output, input, group=self.group, async_op=a),
+            lambda a: _reduce_scatter_tensor(output, input, group=self.group, async_op=a, chunks=self._is_gloo),
             input,
             output,
             async_op,
@@ -262,38 +304,22 @@ class Collectives:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
         """Concatenate every rank's ``input`` into ``output`` (in rank order).
 
-        On gloo, whose all-gather allocates a temporary as large as its whole output, a large gather runs
-        in slices of :attr:`gloo_slice_bytes` per rank (synchronously), so a step at stages 1-2 never holds
-        a second copy of the model.
+        On gloo, whose all-gather holds a temporary as large as its whole output (a second copy of the model
+        for the gather after a stage 1-2 step; a second gathered unit for each stage-3 prefetch in flight), a
+        piece of :attr:`gloo_broadcast_bytes` or more is gathered by one broadcast per rank into ``output``'s
+        chunks instead, asynchronously too; smaller ones use the list form over those chunks.
         """
-        if self.world > 1 and self._is_gloo and input.numel() * input.element_size() > self.gloo_slice_bytes:
-            return self._all_gather_sliced(output, input)
         if self.world == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._run("all_gather", None, output, output, async_op)
-        return self._run(
-            "all_gather",
-            lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
-            output,
-            output,
-            async_op,
-        )
-
-    def _all_gather_sliced(self, output: torch.Tensor, input: torch.Tensor) -> CommHandle:
-        n = input.numel()
-        step = max(self.gloo_slice_bytes // input.element_size(), 1)
-        parts = output.view(self.world, n)
-        handle = None
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            tmp = torch.empty(self.world, b - a, dtype=output.dtype, device=output.device)
-            flat, piece = tmp.view(-1), input[a:b].contiguous()
-            handle = self._run("all_gather", lambda x, out=flat, src=piece: _all_gather_tensor(
-                out, src, group=self.group, async_op=x), tmp, tmp, False)
-            parts[:, a:b].copy_(tmp)
-        assert handle is not None  # n > 0: only inputs larger than one slice come here
-        return CommHandle(output, None, handle._record, handle._describe, self.log)
+        if self._is_gloo and input.numel() * input.element_size() >= self.gloo_broadcast_bytes:
+            def fn(a: bool) -> Any:
+                return _broadcast_gather(output, input, self.group, a)
+        else:
+            def fn(a: bool) -> Any:
+                return _all_gather_tensor(output, input, group=self.group, async_op=a, chunks=self._is_gloo)
+        return self._run("all_gather", fn, output, output, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
