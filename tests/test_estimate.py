@@ -99,8 +99,12 @@ def test_buckets_gathered_units_and_startup_by_hand():
     est = estimate_peak(spec, cfg, world_size=2)
     # root + the unit in use + one unit prefetched (the bucket) = 2500 elements, fp32
     assert est.terms["gathered"] == 2500 * 4
-    # no activations to free: the bucket being filled and two in flight
-    assert est.terms["grad_buckets"] == 3 * 1000 * 4
+    # stage 3 keeps one full-size bucket alive (a unit's reduction ends before the next one fills)
+    assert est.terms["grad_buckets"] == 1 * 1000 * 4
+    # stage 2 with unit-sized buckets, no activations to free: the bucket being filled and two in flight
+    per_param = ModelSpec("m", units, units, activations=ActivationProfile(0.0, 0.0, 1, 1, False))
+    s2u = estimate_peak(per_param, _cfg(2, "fp32", reduce_bucket_size=1000), world_size=2)
+    assert s2u.terms["grad_buckets"] == 3 * 1000 * 4
     assert est.startup_device == (4500 + 1000) * 4  # the whole model built, plus one unit being cut
     z = estimate_peak(spec, cfg, world_size=2, zero_init=True)
     assert z.startup_device == (4500 / 2 + 4500) * 4  # one shard plus the largest parameter assembled

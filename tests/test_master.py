@@ -69,7 +69,7 @@ def _run():
         ref = copy.deepcopy(model).float()
         units = [FlatParamUnit(ps, world=world, rank=rank, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(2, overlap=False, accum_dtype=torch.float32, comm_dtype=torch.float32)
-        reducer = GradientReducer(units, comm, policy, max_in_flight=2)
+        reducer = GradientReducer(units, comm, policy, max_buckets=3)
         group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
         master = MasterWeights(units, reducer, comm, group_of, make_opt, sharded=True, gather_after_step=True,
                                check_overflow=check_overflow)

@@ -92,7 +92,8 @@ def _run():
         manager.on_unit_grads_ready(i)
 
     policy = ReducePolicy.for_stage(3, overlap=True, accum_dtype=torch.float32, comm_dtype=torch.float32)
-    reducer = GradientReducer(units, comm, policy, max_in_flight=2, on_unit_ready=on_ready)
+    reducer = GradientReducer(units, comm, policy, max_buckets=1, on_unit_ready=on_ready,
+                              on_unit_started=manager.on_unit_started)
 
     def shards():
         return [reducer.grad_shard(i).clone() for i in range(len(units))]

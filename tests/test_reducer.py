@@ -106,7 +106,7 @@ def _run():
         uw, ur = (1, 0) if stage == 0 else (world, rank)  # stage 0 units are not sharded (as the builder does)
         units = [FlatParamUnit(ps, world=uw, rank=ur, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(stage, overlap=overlap, accum_dtype=torch.float32, comm_dtype=torch.float32)
-        reducer = GradientReducer(units, comm, policy, max_in_flight=2 if stage >= 2 else None)
+        reducer = GradientReducer(units, comm, policy, max_buckets=3 if stage >= 2 else None)
         return model, ref, units, reducer
 
     for name, stage, overlap in POLICIES:

@@ -8,8 +8,8 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   shard, where ``placement.params`` puts it (the device, the host, a file).
 - gradients: reduced only at the accumulation boundary (stages 0-1, and 2-3 in a pipeline) the full-size flat
   buckets in the accumulation dtype, kept across micro-steps; reduced every micro-step (stages 2-3) a 1/N
-  accumulator and, during backward, at most three full-size unit buckets (two reductions in flight and one
-  filling). Units are ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
+  accumulator and, during backward, at most ``sharding.buckets_alive`` full-size unit buckets (stage 2:
+  two reductions in flight and one filling; stage 3: one). Units are ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
 - master weights: a separate fp32 shard unless the compute dtype is the master's and nothing is offloaded
   (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
   the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of
@@ -212,7 +212,7 @@ def _backward(plan: Plan, z: _Sizes, held: Terms) -> Terms:
     if sh.reduce_every_micro_step:
         if z.gas > 1:
             out["grads"] = z.psi / z.n_dp * z.g_b
-        out["grad_buckets"] = _buckets_at_peak(z.units, z.g_b, z.act.forward_bytes)
+        out["grad_buckets"] = _buckets_at_peak(z.units, z.g_b, z.act.forward_bytes, sh.buckets_alive or 1)
     if sh.partition_parameters:
         gathered = _gathered_stage3(z.units, sh.prefetch_bucket, sh.max_live_parameters, sh.persistence_threshold)
         out["gathered"] = gathered * z.t_b
@@ -276,15 +276,15 @@ def _split(terms: Terms) -> Tuple[float, float]:
     return sum(terms.values()) - host, host
 
 
-def _buckets_at_peak(units, g_b: int, act_forward: float) -> float:
+def _buckets_at_peak(units, g_b: int, act_forward: float, alive: int) -> float:
     """Gradient buckets alive at the backward peak (stages 2-3): the first bucket fills while the activations
-    are all still alive; up to two more (reductions in flight) add to the peak only where a unit's bucket is
-    larger than the activations its backward frees."""
+    are all still alive; up to ``alive - 1`` more (reductions in flight) add to the peak only where a unit's
+    bucket is larger than the activations its backward frees."""
     if not units:
         return 0.0
     u = max(units) * g_b
     per_unit = act_forward / len(units)
-    return u + max(0.0, min(2, len(units) - 1) * (u - per_unit))
+    return u + max(0.0, min(alive - 1, len(units) - 1) * (u - per_unit))
 
 
 def _activations(spec: ModelSpec, plan: Plan, micro_batch: Optional[int], seq_len: Optional[int],

@@ -113,13 +113,13 @@ def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False
     z = cfg.zero_optimization
     stage = z.stage
     scatter = stage >= 1 and (bool(z.reduce_scatter) or stage == 3)
-    in_flight = {2: 2, 3: 1}.get(stage)
+    alive = {2: 3, 3: 1}.get(stage)
     return ShardingPlan(
         stage=stage, partition_optimizer=stage >= 1, partition_gradients=stage >= 2,
         partition_parameters=stage == 3, reduce_op="reduce_scatter" if scatter else "all_reduce",
         reduce_every_micro_step=stage >= 2 and not pipelined, gather_after_step=stage in (1, 2),
         overlap=bool(z.overlap_comm), unit_world=1 if stage == 0 else mesh.shard_size,
-        reduce_bucket=int(z.reduce_bucket_size), reductions_in_flight=in_flight,
+        reduce_bucket=int(z.reduce_bucket_size), buckets_alive=alive,
         prefetch_bucket=int(z.prefetch_bucket_size), persistence_threshold=int(z.param_persistence_threshold),
         max_live_parameters=int(z.max_live_parameters),
         gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save),

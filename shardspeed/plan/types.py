@@ -69,8 +69,10 @@ class ShardingPlan:
 
     ``reduce_op``: "all_reduce" or "reduce_scatter". ``reduce_every_micro_step``: reduce each backward and keep
     only the shard (stages 2-3 outside a pipeline); otherwise gradients accumulate locally until the
-    boundary. ``unit_world``: ranks a flat unit is split over (1 at stage 0). ``reductions_in_flight``: the
-    bound on full-size buckets in flight (None: unbounded, stages 0-1 keep them anyway)."""
+    boundary. ``unit_world``: ranks a flat unit is split over (1 at stage 0). ``buckets_alive``: the bound
+    on full-size gradient buckets alive at once during a backward, the one being filled included (stage 2:
+    3, two reductions in flight while the next fills; stage 3: 1, a unit's reduction finishes before the
+    next unit's gradients are collected; None: unbounded, stages 0-1 keep their buckets anyway)."""
 
     stage: int
     partition_optimizer: bool
@@ -82,7 +84,7 @@ class ShardingPlan:
     overlap: bool
     unit_world: int
     reduce_bucket: int
-    reductions_in_flight: Optional[int]
+    buckets_alive: Optional[int]
     prefetch_bucket: int
     persistence_threshold: int
     max_live_parameters: int

@@ -235,12 +235,13 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
     if sh.partition_parameters:
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank))
-        reducer = GradientReducer(units, collectives, policy, max_in_flight=sh.reductions_in_flight,
-                                  on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess)
+        reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive,
+                                  on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
+                                  on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
     flat = _build_units(params, sh.reduce_bucket, sh.unit_world, topo.dp_rank if sh.unit_world > 1 else 0, alone)
-    return flat, GradientReducer(flat, collectives, policy, max_in_flight=sh.reductions_in_flight), None
+    return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive), None
 
 
 def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Collectives, group_of: Dict[int, int],

@@ -119,8 +119,9 @@ class GradientReducer:
     """Reduces unit gradients over the data-parallel group; drives itself from autograd's hooks."""
 
     def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
-                 max_in_flight: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
-                 first_order: Optional[Callable[[], Sequence[int]]] = None):
+                 max_buckets: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
+                 first_order: Optional[Callable[[], Sequence[int]]] = None,
+                 on_unit_started: Optional[Callable[[int], None]] = None):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
@@ -140,9 +141,11 @@ class GradientReducer:
         self._next_launch = 0
         self._in_flight: List[_UnitGrads] = []
         self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
-        # stages 2-3 bound the full-size buckets alive at once; None: no bound (stages 0-1 keep them anyway)
-        self.max_in_flight = max_in_flight
+        # stages 2-3 bound the full-size buckets alive at once, in flight or filling (the plan's
+        # ``buckets_alive``); None: no bound (stages 0-1 keep them anyway)
+        self.max_buckets = max_buckets
         self.on_unit_ready = on_unit_ready
+        self.on_unit_started = on_unit_started  # stage 3: a unit's first gradient has a bucket (prefetch now)
         self._sync_policy: Callable[[], bool] = lambda: True
         #: wraps the end-of-backward launch-and-wait (the engine times it as backward_allreduce)
         self.epilogue_timer: Callable[[], ContextManager] = nullcontext
@@ -189,9 +192,9 @@ class GradientReducer:
 
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a few freed buckets for the next units of the same size in this backward (transformer
-        blocks all match): fewer allocations; buckets in flight plus spares never exceed ``max_in_flight``."""
+        blocks all match): fewer allocations; buckets in flight plus spares never exceed ``max_buckets``."""
         spare = sum(len(v) for v in self._pool.values())
-        if len(self._in_flight) + spare < (self.max_in_flight or 0):  # in flight + spare stay within the bound
+        if len(self._in_flight) + spare < (self.max_buckets or 0):  # in flight + spare stay within the bound
             self._pool.setdefault(t.numel(), []).append(t)
 
     def _absorb(self, param: torch.Tensor) -> Optional[_UnitGrads]:
@@ -201,12 +204,15 @@ class GradientReducer:
         grad = param.grad
         if grad is None:
             return None
-        if g.bucket is None:
-            self._reap()
+        started = g.bucket is None
+        if started:
+            self._make_room()
         g.unit.param_view(self._bucket(g), pi).add_(grad.reshape(-1))
         param.grad = None
         g.dirty = True
         self._arrived = True
+        if started and self.on_unit_started is not None:
+            self.on_unit_started(ui)
         return g
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -275,7 +281,16 @@ class GradientReducer:
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
         self._reap()  # block only past the memory bound
-        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+        while self.max_buckets is not None and len(self._in_flight) > self.max_buckets:
+            self._complete(self._in_flight.pop(0))
+
+    def _make_room(self) -> None:
+        """Before a new full-size bucket is filled: finish the reductions already done and, at the bound, wait
+        for the oldest in flight, so that buckets in flight plus the new one stay within ``max_buckets``
+        (stage 3: 1, the previous unit's reduction overlaps the next unit's backward up to its first
+        gradient; its bucket is then reused)."""
+        self._reap()
+        while self.max_buckets is not None and self._in_flight and len(self._in_flight) >= self.max_buckets:
             self._complete(self._in_flight.pop(0))
 
     def _reap(self) -> None:

@@ -172,7 +172,8 @@ class ParamManager:
         if tr is not None and index not in tr:
             tr.append(index)
         start = [] if u.state is UnitState.GATHERED or u.gathering else [index]
-        start += self._prefetch_plan(index, start)
+        if not self._prefetch_waits_for_grad(index):
+            start += self._prefetch_plan(index, start)
         if not start and u.state is UnitState.GATHERED:
             return
         # how many gathers (and their small tensors) a hook issues depends on what is gathered already, which
@@ -217,6 +218,26 @@ class ParamManager:
             if not held:
                 plan.append(nxt)
         return plan
+
+    def _prefetch_waits_for_grad(self, index: int) -> bool:
+        """In backward, the window ahead of a unit with trainable parameters opens at its first gradient
+        (:meth:`on_unit_started`), once the previous unit's reduction has finished: a reduction in flight and
+        a unit gathered ahead never hold memory at once. Frozen units open it at use."""
+        return self._phase == "backward" and index not in self._frozen
+
+    def on_unit_started(self, index: int) -> None:
+        """Called by the reducer when the first gradient of unit ``index`` in this backward is collected (into
+        the bucket that replaced the previous unit's): all-gather the prefetch window ahead of it."""
+        if self._phase != "backward" or index in self._frozen:
+            return
+        plan = self._prefetch_plan(index, [])
+        if not plan:
+            return
+        with _disable_current_modes():
+            self._agree(plan, index)
+            for i in plan:
+                self.units[i].start_gather(self.comm)
+                self.gather_count += 1
 
     def _agree(self, starting: List[int], needed: int) -> None:
         """Before issuing all-gathers, check that every rank is about to gather the same units: one tiny
