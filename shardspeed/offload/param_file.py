@@ -1,27 +1,29 @@
 """offload_param with ``device: nvme``: the stage-3 parameter shards of this rank in one file.
 
-One file per rank (``nvme_path/shardspeed-param-rank<r>-*/params.bin``), one region per unit at a
-4 KiB-aligned offset, preallocated as each unit is built with its :class:`FilePlacement`
-(``posix_fallocate``) after the same checks as the optimizer store
-(:func:`~shardspeed.offload.store.check_nvme_path`). A unit's shard is read into a temporary host
-tensor when it is needed (gather, checkpoints, masters) and written back after the optimizer step, so
-host memory for parameters is bounded by the units gathered at once, not by the model. I/O is
-``os.preadv``/``os.pwritev`` through the page cache. The directory is removed on :meth:`close`, when the
-object is collected, or at interpreter exit.
+One file per rank (``nvme_path/shardspeed-swap-<job>/rank<r>-attempt<a>-pid<p>-<host>/param-*/params.bin``,
+:func:`~shardspeed.offload.store.make_swap_dir`, which first removes this job's dead folders of the rank),
+one region per unit at a 4 KiB-aligned offset, preallocated as each unit is built with its
+:class:`FilePlacement` (``posix_fallocate``) after the same checks as the optimizer store
+(:func:`~shardspeed.offload.store.check_nvme_path`). Every read of a region is checked against the block
+sums (:func:`~shardspeed.offload.store.block_sums`) of what was written there, kept in memory. A unit's
+shard is read into a temporary host tensor when it is needed (gather, checkpoints, masters) and written
+back after the optimizer step, so host memory for parameters is bounded by the units gathered at once,
+not by the model. I/O is ``os.preadv``/``os.pwritev`` through the page cache. The directory is removed on
+:meth:`close`, when the object is collected, or at interpreter exit.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import weakref
+from typing import Dict, List, Optional
 
 import torch
 
 from ..errors import ConfigError
 from ..zero.placement import ShardPlacement
-from .store import _rw_all, check_nvme_path
+from . import store
+from .store import SUM_BLOCK, _rw_all, check_nvme_path, check_sums, make_swap_dir, n_blocks, remove_swap_dir
 
 logger = logging.getLogger("shardspeed")
 
@@ -34,15 +36,17 @@ class NvmeParamFile:
     The file grows by one preallocated region per reservation, made when a unit is constructed with a
     :class:`FilePlacement`, so a disk that is too small fails at start, not mid-training."""
 
-    def __init__(self, nvme_path: str, rank: int):
+    def __init__(self, nvme_path: str, rank: int, verify: Optional[bool] = None):
         self.nbytes = 0
-        self.root = check_nvme_path(nvme_path, 0, what="the parameter shards")
-        self.dir = tempfile.mkdtemp(prefix=f"shardspeed-param-rank{rank}-", dir=self.root)
+        self.verify = store.VERIFY_SWAP if verify is None else bool(verify)
+        self._sums: Dict[int, torch.Tensor] = {}  # region offset -> block sums of its bytes as last written
+        self._size: Dict[int, int] = {}  # region offset -> bytes of data in it (numel × element size)
+        self.root, self.dir = make_swap_dir(nvme_path, "param", rank, 0, "the parameter shards")
         self.path = os.path.join(self.dir, "params.bin")
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as e:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            remove_swap_dir(self.dir)
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot create the parameter file "
                               f"({e.strerror})") from e
         self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.fd, self.dir)
@@ -51,7 +55,8 @@ class NvmeParamFile:
     def reserve(self, numel: int, dtype: torch.dtype) -> int:
         """Append a region for ``numel`` elements of ``dtype`` (4 KiB-aligned, preallocated); returns its
         byte offset."""
-        nbytes = -(-numel * torch.empty((), dtype=dtype).element_size() // _ALIGN) * _ALIGN
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = -(-size // _ALIGN) * _ALIGN
         check_nvme_path(self.root, nbytes, what=f"the parameter shards ({self.nbytes / 2**30:.2f} GiB "
                                                 f"reserved so far)")
         offset = self.nbytes
@@ -62,14 +67,22 @@ class NvmeParamFile:
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot preallocate the parameter file "
                               f"({e.strerror}); need {(offset + nbytes) / 2**30:.2f} GiB") from e
         self.nbytes = offset + nbytes
+        self._size[offset] = size
+        if self.verify:  # a preallocated region reads as zeros, whose block sums are zero
+            self._sums[offset] = torch.zeros(n_blocks(size), dtype=torch.int64)
         return offset
 
     def read(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A fresh host copy of the region at ``offset`` (writing into it does not change the file)."""
         out = torch.empty(numel, dtype=dtype)
         if out.numel():
-            _rw_all(os.preadv, self.fd, out, offset, "read")
+            expected = self._sums.get(offset)
+            found = _rw_all(os.preadv, self.fd, out, offset, "read", self.path, checksum=expected is not None)
+            check_sums(expected, found, self.path, self._what(offset), offset)
         return out
+
+    def _what(self, offset: int) -> str:
+        return f"the parameter shard region at byte {offset} ({self._size.get(offset, 0)} bytes)"
 
     def write(self, offset: int, numel: int, dtype: torch.dtype, t: torch.Tensor, lo: int = 0) -> None:
         """Store ``t`` (cast to ``dtype``) as elements ``[lo, lo + t.numel())`` of the region at ``offset``
@@ -77,8 +90,37 @@ class NvmeParamFile:
         if lo < 0 or lo + t.numel() > numel:
             raise ValueError(f"write of [{lo}, {lo + t.numel()}) outside its shard of {numel} elements")
         src = t.detach().reshape(-1).to(device="cpu", dtype=dtype).contiguous()
-        if src.numel():
-            _rw_all(os.pwritev, self.fd, src, offset + lo * src.element_size(), "write")
+        if not src.numel():
+            return
+        sums = self._sums.get(offset)
+        a = lo * src.element_size()
+        if sums is None:
+            _rw_all(os.pwritev, self.fd, src, offset + a, "write", self.path)
+            return
+        start, data = self._whole_blocks(offset, src, a, sums)
+        new = _rw_all(os.pwritev, self.fd, data, offset + start, "write", self.path, checksum=True)
+        assert new is not None
+        k0 = start // SUM_BLOCK
+        sums[k0 : k0 + new.numel()] = new
+
+    def _whole_blocks(self, offset: int, src: torch.Tensor, a: int, sums: torch.Tensor):
+        """What to write so that writing ``src`` at byte ``a`` of the region covers whole checksummed blocks:
+        ``(start byte, bytes)``. ``src`` itself where it does; otherwise ``src`` with the old bytes of the
+        blocks it covers in part around it, read (and checked) from the file first."""
+        size, b = self._size[offset], a + src.numel() * src.element_size()
+        k0, k1 = a // SUM_BLOCK, n_blocks(b)
+        start, end = k0 * SUM_BLOCK, min(k1 * SUM_BLOCK, size)
+        if a == start and b == end:
+            return start, src
+        stage = torch.empty(end - start, dtype=torch.uint8)
+        partial: List[int] = sorted({k for k, cut in ((k0, a > start), (k1 - 1, b < end)) if cut})
+        for k in partial:
+            lo, hi = k * SUM_BLOCK, min((k + 1) * SUM_BLOCK, size)
+            found = _rw_all(os.preadv, self.fd, stage[lo - start : hi - start], offset + lo, "read", self.path,
+                            checksum=True)
+            check_sums(sums[k : k + 1], found, self.path, self._what(offset), offset + lo)
+        stage[a - start : b - start] = src.view(torch.uint8)
+        return start, stage
 
     @staticmethod
     def _cleanup(fd: int, directory: str) -> None:
@@ -86,7 +128,7 @@ class NvmeParamFile:
             os.close(fd)
         except OSError:
             pass
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_swap_dir(directory)
 
     def close(self) -> None:
         """Close and delete the parameter file (the shards are gone afterwards)."""

@@ -14,34 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..comm.collectives import Collectives
 from ..errors import DistributedError, ShardspeedError
-from ..runtime.engine import Engine, EngineParts, move_inputs
-from .module import PipelineModule
-from .schedules import ScheduleCache, StageChunk, build_schedule, p2p_errors
-from .ties import TiedGradients
+from ..pipe.module import PipelineModule
+from ..pipe.plan import PipeParts
+from ..pipe.schedules import ScheduleCache, StageChunk, build_schedule, p2p_errors
+from .engine import Engine, EngineParts, move_inputs
 
 logger = logging.getLogger("shardspeed")
-
-
-@dataclass
-class PipeParts:
-    """What the builder decided about the pipeline."""
-
-    schedule: str
-    virtual_stages: int
-    total_stages: int
-    stage_ids: List[int]
-    pipe_comm: Collectives  # over this rank's pipe group
-    world_comm: Collectives  # over the world: checkpoints (every stage writes its layers)
-    last_stage_pipe_rank: int
-    tied: Optional[TiedGradients] = None
-    extras: dict = field(default_factory=dict)
 
 
 def _fingerprint(micro: Any) -> Tuple:
