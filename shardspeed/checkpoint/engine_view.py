@@ -74,7 +74,7 @@ class EngineView:
             if first != name:
                 self.aliases[name] = first
         self._in_units = {id(prm) for u in self.units for prm in u.params}
-        from ..parallel.replicas import counts_in_norm
+        from ..mesh.replicas import counts_in_norm
 
         # copies of parameters another rank saves (a tied layer on a later pipeline stage)
         self._replicas = {id(prm) for prm in self.module.parameters() if not counts_in_norm(prm, 0)}

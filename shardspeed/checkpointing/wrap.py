@@ -4,8 +4,9 @@
   ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before transformers 5), with
   shardspeed's checkpoint function as the layers' checkpoint function. A model on which the user already
   enabled it keeps its layer choice (``every_n_layers``); only the function is ours.
-- Other models: the modules of ``block_types`` (default: ``shardspeed.models.GPT``'s ``Block``, else the
-  repeated same-type children of the model's largest ``nn.ModuleList``). Each block's ``forward`` is
+- Other models: the modules of ``block_types`` (default: the model class's ``checkpoint_block_types``, as
+  ``shardspeed.models.GPT`` has, else the repeated same-type children of the model's largest
+  ``nn.ModuleList``). Each block's ``forward`` is
   replaced on the instance by a checkpointed call of the original, so parameter names, state dicts and
   module hooks (ZeRO-3's gathers) are unchanged and stay outside the recompute.
 """
@@ -51,11 +52,8 @@ def _hf_enable(model: nn.Module, fn: Callable[..., Any]) -> List[nn.Module]:
 
 def find_blocks(model: nn.Module, block_types: Optional[Sequence[Type[nn.Module]]] = None) -> List[nn.Module]:
     """The transformer blocks of ``model`` (outermost matches only)."""
-    if block_types is None:
-        from ..models.gpt import GPT, Block
-
-        if isinstance(model, GPT):
-            block_types = (Block,)
+    if block_types is None:  # a model naming its blocks (shardspeed.models.GPT does)
+        block_types = getattr(type(model), "checkpoint_block_types", None)
     if block_types is not None:
         types = tuple(block_types)
         found: List[nn.Module] = []

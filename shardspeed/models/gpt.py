@@ -131,6 +131,12 @@ class GPT(nn.Module):
     deterministic given ``torch.manual_seed``.
     """
 
+    #: what the library asks of a model without importing it: the blocks activation checkpointing wraps by
+    #: default (:func:`shardspeed.checkpointing.wrap.find_blocks`) and the tensor-parallel plan it takes
+    #: (:func:`shardspeed.parallel.tp.plan.preset_name`)
+    checkpoint_block_types = (Block,)
+    tp_preset = "shardspeed_gpt"
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

@@ -2,12 +2,29 @@
 :func:`shardspeed.plan.decide`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import List, Optional
+
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
 from ..mesh.topology import Topology
-from .engine import PipeParts
 from .module import PipelineModule
 from .partition import rank_of_stage, stages_of_rank
+from .ties import TiedGradients
+
+
+@dataclass(frozen=True)
+class PipeParts:
+    """What the builder decided about the pipeline."""
+
+    schedule: str
+    virtual_stages: int
+    total_stages: int
+    stage_ids: List[int]
+    pipe_comm: Collectives  # over this rank's pipe group
+    world_comm: Collectives  # over the world: checkpoints (every stage writes its layers)
+    last_stage_pipe_rank: int
+    tied: Optional[TiedGradients] = None
 
 
 def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger) -> PipeParts:

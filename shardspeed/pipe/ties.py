@@ -38,7 +38,7 @@ def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virt
                      log: CommsLogger) -> List[TieGroup]:
     """Create the tie groups (every rank creates every group, in the same order), broadcast each tied
     parameter from its owner and mark the other copies replicas. Collective over the world."""
-    from ..parallel.replicas import mark_replica
+    from ..mesh.replicas import mark_replica
 
     out: List[TieGroup] = []
     ranks = mesh_ranks(topo.pipe_size, topo.dp_size, topo.model_size)

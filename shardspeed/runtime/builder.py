@@ -1,9 +1,10 @@
 """The builder: :func:`shardspeed.plan.decide` decides what the run is; this module assembles its parts."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -15,11 +16,11 @@ from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
 from ..mesh.init import init_distributed
 from ..mesh.topology import Topology
+from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
 from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
 from ..parallel.tp.setup import TP_ARGS_ATTR, setup_tensor_parallel
-from ..pipe.engine import PipelineEngine
 from ..pipe.module import PipelineModule
 from ..pipe.plan import plan_pipeline
 from ..pipe.ties import TiedGradients, build_tie_groups
@@ -34,7 +35,9 @@ from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
 from ..zero.stage3 import ParamManager, build_stage3_units
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
-from .engine import Engine, EngineParts
+from .engine import Engine
+from .parts import EngineParts
+from .pipeline_engine import PipelineEngine
 
 logger = logging.getLogger("shardspeed")
 
@@ -165,31 +168,32 @@ def build_engine(
     params, group_of = _trainable_in_grad_order(model, groups)
     if not params:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
-    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo)
+    timers = Timers(cfg.wall_clock_breakdown, topo.device)
+    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers)
     master = _master_weights(plan, units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer))
-    if manager is not None:
-        manager.master = master
+    if manager is not None:  # GatheredParameters' edits of a shard reach the masters
+        manager.add_shard_listener(master.refresh_from_shard)
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
-        master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale),
+        master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale, plan.precision.compute),
         lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
         train_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
         gradient_accumulation_steps=plan.batch.accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
-        zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, steps_per_print=cfg.steps_per_print,
-        wall_clock_breakdown=cfg.wall_clock_breakdown, param_manager=manager,
+        zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, timers=timers,
+        steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
+        memory_breakdown=bool(cfg.memory_breakdown), param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
         gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save,
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,
         profile_window=build_profile_window(cfg, master.units, topo.device),
+        world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None,
     )
-    if cfg.memory_breakdown:
-        parts.extras["memory_breakdown"] = True  # logged with each steps_per_print line
     engine: Engine
     if pipe_plan is not None:
-        pipe_plan.tied = TiedGradients(ties, master.units, plan.precision.accumulate) if ties else None
-        engine = PipelineEngine(parts, pipe_plan)
+        tied = TiedGradients(ties, master.units, plan.precision.accumulate) if ties else None
+        engine = PipelineEngine(parts, dataclasses.replace(pipe_plan, tied=tied))
     else:
         engine = Engine(parts)
     ds_groups.set_topology(topo)
@@ -228,20 +232,25 @@ def _reduce_policy(plan: Plan) -> ReducePolicy:
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
-                topo: Topology) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
+                topo: Topology, timers: Timers) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
     """The flat units, their gradient reducer and (stage 3) the parameter manager, as the plan says."""
     sh = plan.sharding
     policy = _reduce_policy(plan)
+
+    def epilogue() -> ContextManager:  # the end-of-backward launch-and-wait, timed as backward_allreduce
+        return timers("backward_allreduce")
+
     if sh.partition_parameters:
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank))
-        reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive,
+        reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
                                   on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
                                   on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
     flat = _build_units(params, sh.reduce_bucket, sh.unit_world, topo.dp_rank if sh.unit_world > 1 else 0, alone)
-    return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive), None
+    return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive,
+                                 epilogue_timer=epilogue), None
 
 
 def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Collectives, group_of: Dict[int, int],
@@ -354,8 +363,8 @@ def _shard_placement(placement: PlacementPlan, rank: int) -> Callable[[], ShardP
     return DevicePlacement
 
 
-def _loss_scaler(ls: LossScalePlan):
-    return build_loss_scaler(
+def _loss_scaler(ls: LossScalePlan, compute: torch.dtype):
+    return build_loss_scaler(compute_dtype=compute,
         fp16_enabled=ls.enabled, loss_scale=ls.static_scale, initial_scale_power=ls.initial_scale_power,
         loss_scale_window=ls.window, hysteresis=ls.hysteresis, consecutive_hysteresis=ls.consecutive_hysteresis,
         min_loss_scale=ls.min_scale,

@@ -6,9 +6,7 @@ hands them over in :class:`EngineParts`.
 from __future__ import annotations
 
 import logging
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
@@ -21,57 +19,13 @@ from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
+from .parts import EngineParts, move_inputs, no_move_error
+from .reporting import StepReport, memory_breakdown
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..checkpoint.stateful import CheckpointParts
 
 logger = logging.getLogger("shardspeed")
-
-
-@dataclass
-class EngineParts:
-    """Everything the engine orchestrates; built by the builder from the config."""
-
-    module: nn.Module
-    topology: Topology
-    collectives: Collectives
-    comms_logger: CommsLogger
-    reducer: GradientReducer
-    master: MasterWeights
-    loss_scaler: Any
-    lr_scheduler: Any
-    train_batch_size: int
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    gradient_clipping: float
-    zero_stage: int
-    train_dtype: torch.dtype
-    steps_per_print: Optional[int] = None
-    wall_clock_breakdown: bool = False
-    param_manager: Any = None  # stage 3: gathers/releases parameters around module use
-    training_dataloader: Any = None
-    gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
-    config: Any = None  # kept for checkpoints and introspection only; never branched on here
-    flops_profiler: Any = None  # shardspeed.profiling.engine_profiler.StepFlopsProfiler (flops_profiler.enabled)
-    extras: Dict[str, Any] = field(default_factory=dict)
-    monitor: Any = None  # shardspeed.monitor.step_events.StepEvents when a monitor block is enabled
-    input_check: Any = None  # tensor parallelism: checks the first forwards' inputs agree over the model group
-    profile_window: Any = None  # shardspeed.autotune.probe.ProfileWindow (autotuning.enabled: a tuner's trial)
-
-
-def move_inputs(obj, device: torch.device, dtype: torch.dtype):
-    """Tensors go to the engine's device; floating-point ones take the training dtype (as model weights do)."""
-    if torch.is_tensor(obj):
-        if obj.is_floating_point() and obj.dtype != dtype:
-            return obj.to(device=device, dtype=dtype)
-        return obj.to(device) if obj.device != device else obj
-    if isinstance(obj, tuple):
-        return tuple(move_inputs(o, device, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [move_inputs(o, device, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: move_inputs(v, device, dtype) for k, v in obj.items()}
-    return obj
 
 
 class Engine(nn.Module):
@@ -99,17 +53,13 @@ class Engine(nn.Module):
         self._grad_norm: Optional[float] = None
         self._boundary_override: Optional[bool] = None
         self._in_no_sync = False
-        self._timers = Timers(parts.wall_clock_breakdown, parts.topology.device)
+        self._timers = parts.timers
         self._last_loss: Optional[torch.Tensor] = None
-        self._t_last_print = time.perf_counter()
-        self._samples_since_print = 0
+        self._report = StepReport(parts)
         self._progress: Any = None  # the bar of progress(), refreshed after each optimizer step
-        self._world_comm: Optional[Collectives] = None  # the world's collectives, made on first use (TP checkpoints)
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
-        if parts.wall_clock_breakdown:
-            parts.reducer.epilogue_timer = lambda: self._timers("backward_allreduce")
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
     @property
@@ -143,22 +93,18 @@ class Engine(nn.Module):
 
     @property
     def master_weights(self) -> MasterWeights:
-        """This rank's :class:`~shardspeed.zero.master.MasterWeights` (an ``OffloadedMasterWeights`` under
-        ``offload_optimizer`` / ``offload_param``): its ``units`` (shards, layouts, placements), ``held_bytes()``
-        and ``close()`` (frees shard storage that outlives garbage collection, e.g. NVMe files). What
-        DeepSpeed keeps in its ZeRO optimizer wrapper; ``engine.optimizer`` is the torch optimizer it steps."""
+        """This rank's :class:`~shardspeed.zero.master.MasterWeights` (``OffloadedMasterWeights`` when offloading):
+        DeepSpeed's ZeRO optimizer wrapper; ``engine.optimizer`` is the torch optimizer it steps."""
         return self._p.master
 
     @property
     def reducer(self) -> GradientReducer:
-        """The :class:`~shardspeed.zero.reducer.GradientReducer` that buckets and reduces gradients in backward
-        (its ``units``, ``launch_log``, ``held_bytes()``)."""
+        """The :class:`~shardspeed.zero.reducer.GradientReducer` that buckets and reduces gradients in backward."""
         return self._p.reducer
 
     @property
     def comms_logger(self) -> CommsLogger:
-        """The :class:`~shardspeed.comm.collectives.CommsLogger` counting this rank's collectives (what
-        :meth:`comms_summary` reports); ``reset()`` clears its counts, as DeepSpeed's ``comms_logger``."""
+        """The :class:`~shardspeed.comm.collectives.CommsLogger` counting this rank's collectives (``reset()``)."""
         return self._p.comms_logger
 
     @property
@@ -184,6 +130,19 @@ class Engine(nn.Module):
             if before_optimizer is not None:
                 before_optimizer(self._p.reducer)
             self._optimizer_step()
+
+    @property
+    def last_loss(self) -> Optional[torch.Tensor]:
+        """The last loss given to :meth:`backward` (a pipeline: the step's mean), not converted (no host sync)."""
+        return self._last_loss
+
+    def attach_progress(self, bar: Any) -> None:
+        """``bar.on_optimizer_step()`` runs after each optimizer step (:meth:`progress` attaches its bar)."""
+        self._progress = bar
+
+    def detach_progress(self, bar: Any) -> None:
+        if self._progress is bar:
+            self._progress = None
 
     def record_step_loss(self, loss: torch.Tensor) -> None:
         """A driver's mean loss of the step just taken: what the progress line and the monitors report."""
@@ -300,11 +259,7 @@ class Engine(nn.Module):
         raise self._no_move_error("half()/float()/bfloat16()/type() (casting or moving)")
 
     def _no_move_error(self, what: str) -> ShardspeedError:
-        return ShardspeedError(
-            f"engine.{what}: the engine's parameters are views of its flat ZeRO buffers on {self.device} in "
-            f"{self._p.train_dtype}, and the fp32 master weights and optimizer state would not follow. Choose the "
-            f"device (LOCAL_RANK / the accelerator) and dtype (bf16/fp16 in the config) before "
-            f"shardspeed.initialize; move or cast the model before initializing.")
+        return no_move_error(what, self.device, self._p.train_dtype)
 
     # ---- accumulation boundary -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -359,7 +314,7 @@ class Engine(nn.Module):
 
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        with self._timers("forward"), self._flops_scope("forward"):
+        with self._timers("forward"), self._report.flops_scope("forward", self.global_steps):
             args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
             if self._p.input_check is not None:
                 self._p.input_check((args, kwargs))
@@ -383,7 +338,7 @@ class Engine(nn.Module):
             self._p.monitor.add_loss(loss)
         gas = self._p.gradient_accumulation_steps if scale_wrt_gas else 1
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
-        with self._timers("backward"), self._flops_scope("backward"):
+        with self._timers("backward"), self._report.flops_scope("backward", self.global_steps):
             scaled.backward(retain_graph=retain_graph)
         return loss.detach() / gas
 
@@ -396,12 +351,12 @@ class Engine(nn.Module):
         if self._in_no_sync:
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
         if self.is_gradient_accumulation_boundary():
-            profiled = self._flops_active()
-            with self._timers("step"), self._flops_scope("step"):
+            profiled = self._report.flops_active(self.global_steps)
+            with self._timers("step"), self._report.flops_scope("step", self.global_steps):
                 self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
                 self._optimizer_step()
             if profiled:
-                self._flops_report()
+                self._report.flops_report(self)
             if self._p.monitor is not None:  # after the step timer stopped, as DeepSpeed writes them
                 self._p.monitor.after_step(self, self._timers)
             if self._p.profile_window is not None:  # a tuner's trial: may write its metrics and exit
@@ -431,8 +386,7 @@ class Engine(nn.Module):
         p.reducer.zero_grads()
         self.global_steps += 1
         self.global_samples += p.train_batch_size
-        self._samples_since_print += p.train_batch_size
-        self._maybe_print()
+        self._report.after_step(self, p.train_batch_size)
         if self._progress is not None:
             self._progress.on_optimizer_step()
 
@@ -454,17 +408,8 @@ class Engine(nn.Module):
             train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
             loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
             rng=RNGState(), param_manager=p.param_manager,
-            gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=self._world_collectives(),
+            gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=p.world_collectives,
         )
-
-    def _world_collectives(self) -> Optional[Collectives]:
-        """Under tensor parallelism, the world's collectives: every rank writes its own file (numbered by global
-        rank) into one checkpoint; None when the data group is the world of the checkpoint."""
-        if self._p.topology.model_size == 1:
-            return None
-        if self._world_comm is None:
-            self._world_comm = Collectives.over(None, self._p.comms_logger)
-        return self._world_comm
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:
@@ -498,48 +443,7 @@ class Engine(nn.Module):
 
         return gathered_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
-    # ---- reporting -------------------------------------------------------------------------------------
-    def _maybe_print(self) -> None:
-        every = self._p.steps_per_print
-        if not every or self.global_steps % every != 0 or self.global_rank != 0:
-            if self._p.wall_clock_breakdown and every and self.global_steps % every == 0:
-                self._timers.report_and_reset()
-            return
-        now = time.perf_counter()
-        rate = self._samples_since_print / max(now - self._t_last_print, 1e-9)
-        self._t_last_print, self._samples_since_print = now, 0
-        logger.info(
-            "step=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f",
-            self.global_steps, float(self._last_loss) if self._last_loss is not None else float("nan"), [f"{x:.3g}" for x in self.get_lr()],
-            self.loss_scale, f"{self._grad_norm:.4f}" if self._grad_norm is not None else "n/a", rate,
-        )
-        if self._p.wall_clock_breakdown:
-            logger.info("time per call: %s", self._timers.report_and_reset())
-        if self._p.extras.get("memory_breakdown"):
-            logger.info("memory (bytes): %s", self.memory_breakdown())
-        if self._p.comms_logger.keep_records:
-            logger.info("collectives so far:\n%s", self._p.comms_logger.table())
-
-    # ---- flops profiler (logic in shardspeed.profiling) ---------------------------------------------------
-    def _flops_active(self) -> bool:
-        prof = self._p.flops_profiler
-        return prof is not None and prof.active(self.global_steps)
-
-    def _flops_scope(self, phase: str):
-        """At the profiled step: the profiler's context for ``phase`` (forward, backward, step)."""
-        return getattr(self._p.flops_profiler, phase)() if self._flops_active() else nullcontext()
-
-    def _flops_report(self) -> None:
-        topo = self._p.topology
-        self._p.flops_profiler.finish(
-            report_step=self.global_steps, rank=self.global_rank, world_size=torch.distributed.get_world_size(),
-            dp_size=topo.dp_size, mp_size=topo.mp_size, micro_batch_size=self._p.micro_batch_size)
-        per_step = self.flops_per_step()
-        if self._p.monitor is not None and per_step:  # the monitors can now write tflops (and mfu on a GPU)
-            world = torch.distributed.get_world_size()
-            self.set_flops_per_sample(per_step * world / self._p.train_batch_size)
-            self.set_peak_flops(self.peak_flops())
-
+    # ---- reporting (logic in .reporting and shardspeed.profiling) ----------------------------------------
     def flops_per_step(self, measured: bool = False) -> Optional[int]:
         """FLOPs this rank computes in one optimizer step (every micro-batch), from the forward and backward
         counted at ``flops_profiler.profile_step``; None before then or when the profiler is off.
@@ -548,10 +452,7 @@ class Engine(nn.Module):
         convention). ``measured=True``: forward + backward as counted (flash attention's score recompute and
         activation-checkpoint recomputation included, for HFU); a backward run outside :meth:`backward` is
         then estimated as (2 + recompute_fwd_factor) × forward, as DeepSpeed does."""
-        prof = self._p.flops_profiler
-        if prof is None or prof.model_flops_per_step is None:
-            return None
-        return prof.fwd_flops_per_step + prof.bwd_flops_per_step if measured else prof.model_flops_per_step
+        return self._report.flops_per_step(measured)
 
     def peak_flops(self) -> Optional[float]:
         """Dense peak FLOP/s of this rank's device in the training dtype (``shardspeed.profiling.PEAK_TABLE``);
@@ -595,35 +496,4 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
-        params = host_params = 0
-        seen = set()  # storages already counted (a stage 0-2 shard is a view of its unit's full buffer)
-        for unit in self._p.master.units:
-            held = [(unit.full, False)] if unit.full is not None and unit.full.numel() else []
-            shard = unit.placement.resident()  # None: the shard is in a file (not counted)
-            if shard is not None:
-                held.append((shard, not unit.placement.on_device))
-            for t, on_host in held:
-                key = t.untyped_storage().data_ptr()
-                if key in seen:
-                    continue
-                seen.add(key)
-                if on_host:
-                    host_params += t.numel() * t.element_size()
-                else:
-                    params += t.numel() * t.element_size()
-        master = self._p.master.held_bytes()
-        out = {
-            "parameters": params,
-            "gradients": self._p.reducer.held_bytes(),
-            "master_weights": master["master"],
-            "optimizer_states": master["optimizer"],
-        }
-        out["total"] = sum(out.values())
-        # held off the device (offload_param / offload_optimizer): not in "total"
-        out["offloaded_parameters"] = host_params
-        out["offloaded_master_weights"] = master.get("offloaded_master", 0)
-        out["offloaded_optimizer_states"] = master.get("offloaded_optimizer", 0)
-        if self.device.type == "cuda":
-            out["allocator_peak"] = torch.cuda.max_memory_allocated(self.device)
-            out["allocator_current"] = torch.cuda.memory_allocated(self.device)
-        return out
+        return memory_breakdown(self._p, self.device)

@@ -57,6 +57,8 @@ class PipelineEngine(Engine):
 
     def __init__(self, parts: EngineParts, pipe: PipeParts):
         super().__init__(parts)
+        # gradients accumulate through the schedule; reduce_pending reduces at the boundary
+        self.reducer.set_sync_policy(lambda: False)
         self._pipe = pipe
         module = parts.module
         assert isinstance(module, PipelineModule)
@@ -94,9 +96,6 @@ class PipelineEngine(Engine):
 
     def step(self, *args, **kwargs):
         raise ShardspeedError("a pipeline engine steps inside train_batch(data_iter); do not call engine.step()")
-
-    def _reduce_this_micro_step(self) -> bool:
-        return False  # gradients accumulate through the schedule; reduce_pending reduces at the boundary
 
     # ---- the schedule ------------------------------------------------------------------------------------
     def _make_schedule(self, n_microbatches: int):

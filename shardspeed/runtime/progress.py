@@ -45,7 +45,7 @@ class EngineProgress(tqdm):
         if engine is None:
             return {}
         now = time.perf_counter() if now is None else now
-        loss = engine._last_loss
+        loss = engine.last_loss
         lrs = engine.get_lr()
         rate = (engine.global_samples - self._samples0) / max(now - self._t0, 1e-9)
         return {"loss": f"{float(loss):.4f}" if loss is not None else "n/a",
@@ -54,8 +54,8 @@ class EngineProgress(tqdm):
 
     def close(self) -> None:
         engine = self._engine_ref() if hasattr(self, "_engine_ref") else None
-        if engine is not None and engine.__dict__.get("_progress") is self:
-            engine.__dict__["_progress"] = None
+        if engine is not None:
+            engine.detach_progress(self)
         super().close()
 
 
@@ -66,7 +66,7 @@ def make_progress(engine: Engine, iterable: Optional[Iterable] = None, total: Op
         disable = True  # tqdm's None (off when the output is not a TTY) still applies on rank 0
     bar = EngineProgress(engine, iterable, count_steps=iterable is None, total=total, desc=desc, disable=disable,
                          **kwargs)
-    engine.__dict__["_progress"] = bar
+    engine.attach_progress(bar)
     return bar
 
 

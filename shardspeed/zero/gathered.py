@@ -76,8 +76,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
             if modifier_rank is not None:
                 manager.comm.broadcast(unit.full, modifier_rank)
                 unit.write_shard(unit.full[slice(*unit.layout.chunk_range(unit.rank))])
-                if manager.master is not None:
-                    manager.master.refresh_from_shard(unit.index)
+                manager.shard_written(unit.index)
             if not was_gathered:
                 unit.release()
         for p, placeholder in zip(loose, saved):

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm.collectives import Collectives
-from ..parallel.replicas import counts_in_norm
+from ..mesh.replicas import counts_in_norm
 from .layout import Piece
 from .reducer import GradientReducer
 from .unit import FlatParamUnit
@@ -114,7 +114,7 @@ class MasterWeights:
         model_rank = collectives.topology.model_rank
         #: per unit, the [start, end) ranges of this rank's chunk that count in the global norm, or None for the
         #: whole chunk: pieces whose parameter another model-parallel rank counts are left out
-        #: (:mod:`shardspeed.parallel.replicas`)
+        #: (:mod:`shardspeed.mesh.replicas`)
         self.norm_ranges: List[Optional[List[Tuple[int, int]]]] = [
             _counted_ranges(u.layout.chunk_size, [(pc.chunk_start, pc.numel) for pc in u.pieces
                                               if not counts_in_norm(u.params[pc.param_index], model_rank)])

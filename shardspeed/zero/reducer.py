@@ -121,7 +121,8 @@ class GradientReducer:
     def __init__(self, units: Sequence[FlatParamUnit], collectives: Collectives, policy: ReducePolicy,
                  max_buckets: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
                  first_order: Optional[Callable[[], Sequence[int]]] = None,
-                 on_unit_started: Optional[Callable[[int], None]] = None):
+                 on_unit_started: Optional[Callable[[int], None]] = None,
+                 epilogue_timer: Callable[[], ContextManager] = nullcontext):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
@@ -148,7 +149,7 @@ class GradientReducer:
         self.on_unit_started = on_unit_started  # stage 3: a unit's first gradient has a bucket (prefetch now)
         self._sync_policy: Callable[[], bool] = lambda: True
         #: wraps the end-of-backward launch-and-wait (the engine times it as backward_allreduce)
-        self.epilogue_timer: Callable[[], ContextManager] = nullcontext
+        self.epilogue_timer = epilogue_timer
         self.launch_log: List[Tuple[int, int]] = []  # (unit index, params still to come in backward)
         self._pending_hooks = 0
         for ui, unit in enumerate(self.units):

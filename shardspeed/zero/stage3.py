@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,8 @@ class ParamManager:
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
         self._hooks: list = []
-        self.master: Optional[Any] = None  # set by the builder: GatheredParameters writes edits into the masters
+        # told when a unit's shard is rewritten outside the optimizer (GatheredParameters' edits): the masters
+        self._shard_listeners: List[Callable[[int], None]] = []
         self._root = root
         self._fwd_uses: List[int] = []  # unit uses in order (with repeats) of the first training forward
         self._recording_uses = True
@@ -409,6 +410,16 @@ class ParamManager:
                 self._bwd_pending[i] -= 1
             if self._bwd_pending[i] == 0 and self._refs[i] == 0:
                 self._release(i)
+
+    def add_shard_listener(self, listener: Callable[[int], None]) -> None:
+        """``listener(unit_index)`` runs after a unit's shard was rewritten from outside the optimizer (the
+        fp32 masters copy it: ``MasterWeights.refresh_from_shard``)."""
+        self._shard_listeners.append(listener)
+
+    def shard_written(self, index: int) -> None:
+        """Unit ``index``'s shard was rewritten (by ``GatheredParameters(modifier_rank=...)``)."""
+        for listener in self._shard_listeners:
+            listener(index)
 
     def on_unit_grads_ready(self, index: int) -> None:
         """Called by the reducer when autograd is done with a unit in this backward (its gradients are in)."""

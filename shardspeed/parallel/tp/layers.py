@@ -1,7 +1,7 @@
 """Tensor-parallel layers (Megatron-LM's): each holds its local slice as a plain ``nn.Parameter``.
 
 ZeRO's flat units, pieces and checkpoints therefore treat the slices like any parameter. Each sliced
-parameter is marked with :func:`~shardspeed.parallel.replicas.mark_tensor_parallel` and carries
+parameter is marked with :func:`~shardspeed.mesh.replicas.mark_tensor_parallel` and carries
 ``tp_slice`` (:class:`~.slicing.TPSlice`: where it lies in the full tensor). Parameters that stay whole
 (a row-parallel bias) are replicas across the model group.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..replicas import mark_tensor_parallel
+from ...mesh.replicas import mark_tensor_parallel
 from . import comm
 from .comm import TPGroup
 from .slicing import TPSlice

@@ -63,11 +63,11 @@ def preset_name(model: Any, preset_model: Optional[str] = None) -> Optional[str]
             raise ConfigError(f"tensor_parallel.preset_model {preset_model!r} is unknown; choose one of "
                               f"{', '.join(sorted(set(PRESETS) | set(LLAMA_LIKE)))} or give partition_config")
         return name
-    from ...models.gpt import GPT
     from ...pipe.module import PipelineModule
 
-    if isinstance(model, GPT):
-        return "shardspeed_gpt"
+    own = getattr(type(model), "tp_preset", None)  # a model naming its plan (shardspeed.models.GPT does)
+    if isinstance(own, str):
+        return own
     if isinstance(model, PipelineModule) and "Block" in model.layer_classes() and any(
             c in ("GPTEmbedding", "GPTHead") for c in model.layer_classes()):
         return "shardspeed_gpt"  # the layers of shardspeed.models.gpt_pipe (every stage picks the same plan)

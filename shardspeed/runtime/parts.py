@@ -1,0 +1,83 @@
+"""What the builder hands the engine: :class:`EngineParts`, every part typed and built before the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..comm.collectives import Collectives, CommsLogger
+from ..errors import ShardspeedError
+from ..mesh.topology import Topology
+from ..monitor.timers import Timers
+from ..precision.loss_scaler import DynamicLossScaler, StaticLossScaler
+from ..zero.master import MasterWeights
+from ..zero.reducer import GradientReducer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..autotune.probe import ProfileWindow
+    from ..config import ShardspeedConfig
+    from ..monitor.step_events import StepEvents
+    from ..parallel.tp.inputs import InputConsistencyCheck
+    from ..profiling.engine_profiler import StepFlopsProfiler
+    from ..zero.stage3 import ParamManager
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything the engine orchestrates; built by the builder from the plan."""
+
+    module: nn.Module
+    topology: Topology
+    collectives: Collectives
+    comms_logger: CommsLogger
+    reducer: GradientReducer
+    master: MasterWeights
+    loss_scaler: Union[StaticLossScaler, DynamicLossScaler]
+    lr_scheduler: Any  # a torch LR scheduler, one of shardspeed.optim.schedules, the user's, or None
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    zero_stage: int
+    train_dtype: torch.dtype
+    timers: Timers  # wall_clock_breakdown (disabled timers cost nothing); the reducer times its epilogue too
+    steps_per_print: Optional[int] = None
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False  # each steps_per_print line logs engine.memory_breakdown()
+    param_manager: Optional[ParamManager] = None  # stage 3: gathers/releases parameters around module use
+    training_dataloader: Optional[Iterable] = None
+    gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
+    config: Optional[ShardspeedConfig] = None  # kept for checkpoints and introspection only; never branched on
+    flops_profiler: Optional[StepFlopsProfiler] = None  # flops_profiler.enabled
+    monitor: Optional[StepEvents] = None  # a monitor block is enabled
+    input_check: Optional[InputConsistencyCheck] = None  # TP: the first forwards' inputs agree over the model group
+    profile_window: Optional[ProfileWindow] = None  # autotuning.enabled: a tuner's trial
+    #: tensor parallelism: the world's collectives, for checkpoints (every rank writes its own file into one
+    #: checkpoint); None when the data group is the checkpoint's world
+    world_collectives: Optional[Collectives] = None
+
+
+def move_inputs(obj, device: torch.device, dtype: torch.dtype):
+    """Tensors go to the engine's device; floating-point ones take the training dtype (as model weights do)."""
+    if torch.is_tensor(obj):
+        if obj.is_floating_point() and obj.dtype != dtype:
+            return obj.to(device=device, dtype=dtype)
+        return obj.to(device) if obj.device != device else obj
+    if isinstance(obj, tuple):
+        return tuple(move_inputs(o, device, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [move_inputs(o, device, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: move_inputs(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+def no_move_error(what: str, device: torch.device, dtype: torch.dtype) -> ShardspeedError:
+    """``engine.to(...)`` / ``half()`` / ...: why the engine does not move or cast."""
+    return ShardspeedError(
+        f"engine.{what}: the engine's parameters are views of its flat ZeRO buffers on {device} in {dtype}, and "
+        f"the fp32 master weights and optimizer state would not follow. Choose the device (LOCAL_RANK / the "
+        f"accelerator) and dtype (bf16/fp16 in the config) before shardspeed.initialize; move or cast the model "
+        f"before initializing.")
