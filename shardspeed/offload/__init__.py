@@ -3,6 +3,8 @@
 - :mod:`.cpu_adam`: the host Adam/AdamW step (torch's fused kernel on flat tiles) and :class:`CPUAdam`.
 - :mod:`.tiles`: pure arithmetic of tiles (ranges of a unit's chunk with one param group).
 - :mod:`.store`: host-memory and NVMe state stores (bounded buffer pool, reader/writer threads).
+- :mod:`.swap_io`: NVMe swap-file I/O and the checksums verifying every read.
+- :mod:`.swap_dirs`: the checked ``nvme_path`` and the per-job swap folders (naming, dead-folder cleanup).
 - :mod:`.transfer`: device↔host copies (CUDA copy stream + pinned buffers, or plain copies on CPU).
 - :mod:`.master`: :class:`OffloadedMasterWeights`, the offloaded optimizer step.
 """

@@ -1,11 +1,11 @@
 """offload_param with ``device: nvme``: the stage-3 parameter shards of this rank in one file.
 
 One file per rank (``nvme_path/shardspeed-swap-<job>/rank<r>-attempt<a>-pid<p>-<host>/param-*/params.bin``,
-:func:`~shardspeed.offload.store.make_swap_dir`, which first removes this job's dead folders of the rank),
+:func:`~shardspeed.offload.swap_dirs.make_swap_dir`, which first removes this job's dead folders of the rank),
 one region per unit at a 4 KiB-aligned offset, preallocated as each unit is built with its
 :class:`FilePlacement` (``posix_fallocate``) after the same checks as the optimizer store
-(:func:`~shardspeed.offload.store.check_nvme_path`). Every read of a region is checked against the block
-sums (:func:`~shardspeed.offload.store.block_sums`) of what was written there, kept in memory. A unit's
+(:func:`~shardspeed.offload.swap_dirs.check_nvme_path`). Every read of a region is checked against the block
+sums (:func:`~shardspeed.offload.swap_io.block_sums`) of what was written there, kept in memory. A unit's
 shard is read into a temporary host tensor when it is needed (gather, checkpoints, masters) and written
 back after the optimizer step, so host memory for parameters is bounded by the units gathered at once,
 not by the model. I/O is ``os.preadv``/``os.pwritev`` through the page cache. The directory is removed on
@@ -23,7 +23,8 @@ import torch
 from ..errors import ConfigError
 from ..zero.placement import ShardPlacement
 from . import store
-from .store import SUM_BLOCK, _rw_all, check_nvme_path, check_sums, make_swap_dir, n_blocks, remove_swap_dir
+from .swap_dirs import check_nvme_path, make_swap_dir, remove_swap_dir
+from .swap_io import SUM_BLOCK, _rw_all, check_sums, n_blocks
 
 logger = logging.getLogger("shardspeed")
 

@@ -15,23 +15,19 @@ same length) and take it back with :meth:`release`:
 Swap integrity: every write of swap data records its checksum in memory (:func:`block_sums`: one int64
 per 4 KiB block), and every read is checked against it, so bytes changed on disk since this process
 wrote them raise a :class:`~shardspeed.errors.ShardspeedError` naming the file, the tile and the byte
-(:func:`swap_corrupted`) instead of being trained on.
+(:func:`swap_corrupted`) instead of being trained on. The I/O and checksums are in :mod:`.swap_io`.
 
 Swap folders (:func:`make_swap_dir`): ``nvme_path/shardspeed-swap-<job>/rank<R>-attempt<A>-pid<P>-<host>/
 <kind>-*``, where the job is torchrun's ``TORCHELASTIC_RUN_ID`` (else a hash of ``MASTER_ADDR:MASTER_PORT``,
 else ``local``) and the attempt its ``TORCHELASTIC_RESTART_COUNT``. A new store first removes the
-folders of its own job and rank left by dead processes or older attempts (:func:`remove_dead_swap`).
+folders of its own job and rank left by dead processes or older attempts (:func:`remove_dead_swap`); the
+folders are made and removed by :mod:`.swap_dirs`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
-import re
-import shutil
-import socket
-import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,16 +36,30 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from ..errors import ConfigError, ShardspeedError
+from .swap_dirs import (
+    check_nvme_path as check_nvme_path,
+    make_swap_dir as make_swap_dir,
+    remove_dead_swap as remove_dead_swap,
+    remove_swap_dir as remove_swap_dir,
+    swap_attempt as swap_attempt,
+    swap_job_id as swap_job_id,
+)
+from .swap_io import (  # the I/O and checksum names are importable from here too
+    _IO_CHUNK as _IO_CHUNK,
+    SUM_BLOCK as SUM_BLOCK,
+    _rw_all as _rw_all,
+    _sum_blocks as _sum_blocks,
+    block_sums as block_sums,
+    check_sums as check_sums,
+    n_blocks as n_blocks,
+    swap_corrupted as swap_corrupted,
+)
 from .tiles import Tile
 
 logger = logging.getLogger("shardspeed")
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
-
-#: Bytes per checksummed block of swap data (a page): one int64 of checksum in memory per block.
-SUM_BLOCK = 4096
-_SUM_WORDS = SUM_BLOCK // 8
 
 #: Whether new NVMe stores and parameter files verify what they read back (an internal switch, not a config
 #: key: ``benchmarks/bench_nvme_checksum.py`` turns it off to measure what the checksums cost).
@@ -120,267 +130,6 @@ class MemoryStateStore:
 
     def close(self) -> None:
         pass
-
-
-def check_nvme_path(path: str, needed_bytes: int, what: str = "the optimizer state") -> str:
-    """Create ``path`` if needed and check it is a writable directory with room for ``needed_bytes``.
-
-    Raises :class:`ConfigError` naming the problem and the fix. Returns the absolute path.
-    """
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"offload nvme_path {path!r} cannot be created ({e.strerror}); give an existing, "
-                          f"writable directory on a local disk") from e
-    if not os.path.isdir(path):
-        raise ConfigError(f"offload nvme_path {path!r} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"offload nvme_path {path!r} is not writable by this process (uid {os.getuid()}); "
-                          f"fix its permissions or choose another directory")
-    free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise ConfigError(f"offload nvme_path {path!r} has {free / 2**30:.2f} GiB free; this rank "
-                          f"needs {needed_bytes / 2**30:.2f} GiB for {what}: free space or choose another disk")
-    return path
-
-
-#: Bytes per ``preadv``/``pwritev`` call when the data is checksummed on the way: each chunk is summed just
-#: after it is read (before it is written), while it is still in the CPU cache: about 2.5 times cheaper than
-#: summing the whole buffer after (or before) one big transfer.
-_IO_CHUNK = 4 << 20
-
-
-def _rw_all(fn, fd: int, buf: torch.Tensor, offset: int, what: str, path: str = "",
-            checksum: bool = False) -> Optional[torch.Tensor]:
-    """Read or write all of ``buf`` (contiguous) at ``offset`` of ``path`` (``fn`` is ``os.preadv`` or
-    ``os.pwritev``), looping over short transfers; a transfer of nothing is a full disk or a truncated file.
-    ``checksum``: also return the :func:`block_sums` of the bytes read or written, computed chunk by chunk
-    as they pass."""
-    if not buf.is_contiguous():  # reshape would copy, and a read would land in the copy
-        raise ValueError("NVMe I/O needs a contiguous buffer")
-    data = buf.reshape(-1).view(torch.uint8)  # a uint8 view works for bf16/fp16 too
-    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-    total = len(view)
-    reading = fn is os.preadv
-    sums = torch.empty(n_blocks(total), dtype=torch.int64) if checksum else None
-    full = total - total % SUM_BLOCK
-    words = None  # the whole blocks as rows of int64 words, summed a chunk at a time
-    if sums is not None and full and data.storage_offset() % 8 == 0:
-        words = data[:full].view(torch.int64).view(-1, _SUM_WORDS)
-    step = _IO_CHUNK if words is not None else max(total, 1)
-
-    def sum_chunk(c0: int, c1: int) -> None:
-        assert sums is not None
-        if words is None:  # unaligned (or under one block): one pass, from an aligned copy
-            sums.copy_(block_sums(data))
-            return
-        b0, b1 = c0 // SUM_BLOCK, min(c1, full) // SUM_BLOCK
-        if b1 > b0:
-            _sum_blocks(words[b0:b1], sums[b0:b1])
-        if c1 == total > full:  # the last, partial block
-            sums[-1] = block_sums(data[full:])[0]
-
-    for c0 in range(0, total, step):
-        c1 = min(c0 + step, total)
-        if sums is not None and not reading:
-            sum_chunk(c0, c1)
-        done = c0
-        while done < c1:
-            n = fn(fd, [view[done:c1]], offset + done)
-            if n <= 0:
-                where = f" of {path}" if path else ""
-                raise ShardspeedError(f"NVMe offload: short {what} at byte {offset + done}{where} (disk full or "
-                                      f"file truncated?)")
-            done += n
-        if sums is not None and reading:
-            sum_chunk(c0, c1)
-    return sums
-
-
-# ---- swap integrity ----------------------------------------------------------------------------------
-def n_blocks(nbytes: int) -> int:
-    """Checksummed blocks of ``nbytes`` bytes of swap data."""
-    return -(-nbytes // SUM_BLOCK)
-
-
-def _sum_blocks(words: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i]``: the wrapping int64 sum of row ``i`` of ``words`` (one block per row). All checksum work
-    goes through here (``benchmarks/bench_nvme_checksum.py`` times it)."""
-    torch.sum(words, dim=1, out=out)
-
-
-def block_sums(data: torch.Tensor) -> torch.Tensor:
-    """The checksum of a CPU tensor's bytes: for each :data:`SUM_BLOCK`-byte block (the last one zero-padded)
-    the wrapping int64 sum of its 8-byte words, an int64 tensor of :func:`n_blocks` entries.
-
-    Any change to one word changes its block's sum; random bytes, a NaN or a finite overwrite leave it by
-    chance only (2**-64 per block); blocks moved to other places change both sums. Words permuted within one
-    4 KiB block are not seen. It runs at memory speed (one vectorised reduction, the GIL released), about
-    four times faster than ``zlib.crc32``/``adler32`` (``benchmarks/bench_nvme_checksum.py``). Same bytes,
-    same sums, wherever they lie in memory."""
-    b = data.reshape(-1).view(torch.uint8)
-    n = b.numel()
-    if b.storage_offset() % 8:  # the int64 view needs 8-byte alignment: an aligned copy
-        b = b.clone()
-    full = n - n % SUM_BLOCK
-    sums = torch.empty(n_blocks(n), dtype=torch.int64)
-    if full:
-        _sum_blocks(b[:full].view(torch.int64).view(-1, _SUM_WORDS), sums[: full // SUM_BLOCK])
-    if n > full:
-        tail = torch.zeros(SUM_BLOCK, dtype=torch.uint8)
-        tail[: n - full] = b[full:]
-        sums[-1] = tail.view(torch.int64).sum()
-    return sums
-
-
-def swap_corrupted(path: str, what: str, file_byte: int, expected: torch.Tensor,
-                   found: torch.Tensor) -> ShardspeedError:
-    """The error for swap data that differs from what this process wrote: names the file, what was read
-    (``what``: the tile or region), the first bad byte and both checksums."""
-    bad = (expected != found).nonzero().reshape(-1)
-    k = int(bad[0])
-    mask = (1 << 64) - 1
-    first = file_byte + k * SUM_BLOCK
-    return ShardspeedError(
-        f"NVMe swap corrupted: {path}, {what}: {bad.numel()} of {expected.numel()} {SUM_BLOCK}-byte blocks differ "
-        f"from what this process wrote there, the first is bytes [{first}, {first + SUM_BLOCK}) of the file "
-        f"(checksum expected {int(expected[k]) & mask:#018x}, found {int(found[k]) & mask:#018x}). The file changed "
-        f"on disk (a disk or filesystem fault, or another process writing under nvme_path), so the run stops "
-        f"rather than train on it; the other ranks fail at their next collective. Restart from the last "
-        f"checkpoint, and check the disk (dmesg, SMART) if it happens again.")
-
-
-def check_sums(expected: Optional[torch.Tensor], found: Optional[torch.Tensor], path: str, what: str,
-               file_byte: int) -> None:
-    """Raise :func:`swap_corrupted` unless the block sums ``found`` of data read at ``file_byte`` of ``path``
-    are the ``expected`` ones (either None: nothing recorded or computed, nothing checked)."""
-    if expected is not None and found is not None and not torch.equal(found, expected):
-        raise swap_corrupted(path, what, file_byte, expected, found)
-
-
-# ---- swap folders ----------------------------------------------------------------------------------------
-_RANK_DIR = re.compile(r"^rank(\d+)-attempt(\d+)-pid(\d+)-(.+)$")
-
-
-def _safe_name(text: str, limit: int = 64) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)
-    return safe if len(safe) <= limit else hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def swap_job_id() -> str:
-    """This job's name in swap folder names: torchrun's ``TORCHELASTIC_RUN_ID`` (the same in every attempt of
-    an elastic job; its default ``none`` does not count), else a hash of ``MASTER_ADDR:MASTER_PORT``, else
-    ``local``."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run and run != "none":
-        return _safe_name(run)
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    if addr and port:
-        return "m" + hashlib.sha1(f"{addr}:{port}".encode()).hexdigest()[:12]
-    return "local"
-
-
-def swap_attempt() -> int:
-    """torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun)."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
-
-
-def _host() -> str:
-    return _safe_name(socket.gethostname() or "host")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host is running (a zombie is not)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for d, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(d, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def remove_dead_swap(job_dir: str, rank: int, attempt: int) -> List[Tuple[str, int]]:
-    """Remove the swap folders of ``rank`` in ``job_dir`` (this job's) made on this host by a process that is
-    gone or by an older attempt; never this process's own, another rank's, another host's or another job's.
-    Logs one line naming each removed folder and its bytes; returns ``(path, bytes)`` of each."""
-    try:
-        entries = sorted(os.listdir(job_dir))
-    except OSError:
-        return []
-    host, me = _host(), os.getpid()
-    removed: List[Tuple[str, int]] = []
-    for name in entries:
-        m = _RANK_DIR.match(name)
-        if m is None or int(m[1]) != rank or m[4] != host:
-            continue
-        a, pid = int(m[2]), int(m[3])
-        if pid == me or (a >= attempt and _alive(pid)):
-            continue
-        path = os.path.join(job_dir, name)
-        nbytes = _tree_bytes(path)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append((path, nbytes))
-    if removed:
-        logger.warning("NVMe swap: removed %d folder(s) that dead attempts of this job left for rank %d: %s",
-                       len(removed), rank, "; ".join(f"{p} ({n} bytes, {n / 2**30:.2f} GiB)" for p, n in removed))
-    return removed
-
-
-def make_swap_dir(nvme_path: str, kind: str, rank: int, needed_bytes: int, what: str) -> Tuple[str, str]:
-    """Check ``nvme_path`` (:func:`check_nvme_path`), remove this job's dead swap folders of ``rank``
-    (:func:`remove_dead_swap`, before the free-space check counts them) and make a fresh folder
-    ``<nvme_path>/shardspeed-swap-<job>/rank<R>-attempt<A>-pid<P>-<host>/<kind>-*``. Returns
-    ``(nvme_path as an absolute path, the new folder)``; :func:`remove_swap_dir` undoes it."""
-    root = check_nvme_path(nvme_path, 0, what)
-    job_dir = os.path.join(root, f"shardspeed-swap-{swap_job_id()}")
-    attempt = swap_attempt()
-    remove_dead_swap(job_dir, rank, attempt)
-    check_nvme_path(root, needed_bytes, what)
-    rank_dir = os.path.join(job_dir, f"rank{rank}-attempt{attempt}-pid{os.getpid()}-{_host()}")
-    for tries in range(3):
-        try:
-            os.makedirs(rank_dir, exist_ok=True)
-            return root, tempfile.mkdtemp(prefix=f"{kind}-", dir=rank_dir)
-        except FileNotFoundError:  # an engine closing meanwhile removed the empty parent: make it again
-            if tries == 2:
-                raise
-        except OSError as e:
-            raise ConfigError(f"offload nvme_path {root!r}: cannot create the swap folder {rank_dir!r} "
-                              f"({e.strerror})") from e
-    raise AssertionError("unreachable")
-
-
-def remove_swap_dir(directory: str) -> None:
-    """Delete a folder of :func:`make_swap_dir`, and its rank and job folders once they are empty."""
-    shutil.rmtree(directory, ignore_errors=True)
-    parent = os.path.dirname(directory)
-    for d in (parent, os.path.dirname(parent)):
-        try:
-            os.rmdir(d)
-        except OSError:  # still holds another engine's folder (or is gone)
-            break
 
 
 class NvmeStateStore:
