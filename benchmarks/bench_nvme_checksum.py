@@ -18,7 +18,7 @@ spin after each kernel and starve the store's I/O threads, which made the runs w
 slower than those with them, and the comparison meaningless. With 4 rows the step is mostly the offloaded
 optimizer (its files fit in the page cache, so "disk" I/O runs at memory speed): the checksums' worst case.
 As the difference of two noisy medians is only a few percent, the "on" runs also time every checksum
-reduction (``store._sum_blocks``, in whatever thread it runs: the reader and writer threads of the
+reduction (``swap_io._sum_blocks``, in whatever thread it runs: the reader and writer threads of the
 optimizer store, the training thread for the parameter file): ``checksum CPU s/step`` is its CPU time
 (``time.thread_time``), the cost on a machine without idle cores; with idle cores the optimizer store's
 part overlaps the step. A second table times candidate checksums over 64 MiB on one thread. JSON:
@@ -61,7 +61,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     import torch.nn as nn
 
     import shardspeed
-    from shardspeed.offload import store
+    from shardspeed.offload import store, swap_io
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -69,7 +69,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     store.VERIFY_SWAP = verify
     spent = {"s": 0.0, "cpu_s": 0.0, "bytes": 0, "calls": 0}
     lock = threading.Lock()
-    inner = store._sum_blocks
+    inner = swap_io._sum_blocks
 
     def timed(words, out):  # every checksum reduction, in whichever thread computes it
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -80,7 +80,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
             spent["bytes"] += words.numel() * words.element_size()
             spent["calls"] += 1
 
-    store._sum_blocks = timed  # looked up at each call (the optimizer store and the parameter file)
+    swap_io._sum_blocks = timed  # looked up at each call (the optimizer store and the parameter file)
     width = 2048
     layers = max(1, round(size / (width * width + width)))
     torch.manual_seed(0)

@@ -56,7 +56,7 @@ def _run():
     from shardspeed.mesh.topology import Topology
     from shardspeed.plan import decide
     from shardspeed.zero.reducer import GradientReducer, ReducePolicy
-    from shardspeed.zero.stage3 import build_stage3_units
+    from shardspeed.zero.stage3_units import build_stage3_units
     from shardspeed.zero.unit import UnitState
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,7 +2,7 @@
 import torch.nn as nn
 
 from shardspeed.models.gpt import GPT, GPTConfig
-from shardspeed.zero.stage3 import select_units, unit_max_numel
+from shardspeed.zero.stage3_units import select_units, unit_max_numel
 
 
 def _names(model, units):

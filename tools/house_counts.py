@@ -2,6 +2,8 @@
 
 - import cycles among shardspeed's modules (every import, those inside functions too: a lazy import hides a
   cycle, it does not remove it; imports under ``if TYPE_CHECKING`` are for annotations and not counted);
+- upward imports: a module importing one of a higher layer (:data:`LAYERS`, lowest first; a package's
+  layer is its top-level folder's);
 - ``._p`` (the engine's private parts) outside shardspeed/runtime/engine.py;
 - files over 500 lines and functions over 80 lines.
 """
@@ -14,6 +16,30 @@ from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "shardspeed"
+
+
+#: shardspeed's layers, lowest first: a module may import its own layer and those below it
+LAYERS = [
+    {"errors"},
+    {"config", "plan", "mesh", "comm", "precision", "optim", "monitor", "profiling", "data", "utils"},
+    {"zero", "offload", "parallel", "pipe", "checkpointing"},
+    {"models"},  # built on the parts (tensor-parallel layers, PipelineModule); no part imports a model
+    {"checkpoint", "estimate", "runtime", "autotune"},
+    {"integrations", "cli", "bootstrap", "memory_estimate", "__init__"},
+]
+
+
+def _layer(mod: str) -> int:
+    parts = mod.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise KeyError(f"{mod}: its folder {top!r} is in no layer of tools/house_counts.py's LAYERS")
+
+
+def upward(graph: Dict[str, Set[str]]) -> List[str]:
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer(b) > _layer(a))
 
 
 def _module(path: Path) -> str:
@@ -131,6 +157,10 @@ def main() -> int:
     print(f"import cycles: {len(found)}")
     for c in found:
         print("   ", " <-> ".join(c))
+    up = upward(graph)
+    print(f"upward imports: {len(up)}")
+    for u in up:
+        print("   ", u)
     print(f"._p outside runtime/engine.py: {len(hits)}")
     for h in hits:
         print("   ", h)

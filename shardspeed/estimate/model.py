@@ -1,7 +1,7 @@
 """A model described by numbers only (no weights): what the estimator needs to know about it.
 
 A :class:`ModelSpec` holds the trainable parameter sizes in registration order (stages 0-2 group them into
-gradient buckets of ``reduce_bucket_size``), the stage-3 units that :func:`shardspeed.zero.stage3.select_units`
+gradient buckets of ``reduce_bucket_size``), the stage-3 units that :func:`shardspeed.zero.stage3_units.select_units`
 would choose, the transformer shape when there is one (for the activation formulas) and, optionally, an
 :class:`~.activations.ActivationProfile` measured by tracing one step on fake tensors.
 
@@ -49,7 +49,7 @@ def describe_module(model: nn.Module, config: Any = None, name: str = "", shape:
     """Sizes of ``model`` (any device, ``meta`` included); stage-3 units as the engine would choose them for
     ``config`` (a DeepSpeed-style dict, a path or a ShardspeedConfig; default: DeepSpeed's defaults): units are
     bounded by the plan's stage-3 prefetch bucket."""
-    from ..zero.stage3 import _numel, select_units, unit_max_numel
+    from ..zero.stage3_units import param_numel as _numel, select_units, unit_max_numel
 
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     if not params:

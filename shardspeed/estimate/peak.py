@@ -34,6 +34,7 @@ import torch
 
 from ..errors import ConfigError
 from ..plan import MeshPlan, Plan
+from ..zero.stage3 import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
 from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, parse, plan_for
@@ -113,7 +114,8 @@ def _bucket_sizes(numels, max_elements: int) -> list:
 
 def _gathered_stage3(units, prefetch: int, max_live: int, persistence: int) -> float:
     """Elements gathered at once at stage 3: the root unit (last in ``units``), the largest other unit in use,
-    the prefetch window behind it and the persistent (small) units."""
+    the prefetch window behind it (at most ``PREFETCH_UNITS`` units within the bucket, as the parameter
+    manager gathers ahead) and the persistent (small) units."""
     if not units:
         return 0.0
     root, others = units[-1], list(units[:-1]) or [0]
@@ -122,7 +124,7 @@ def _gathered_stage3(units, prefetch: int, max_live: int, persistence: int) -> f
     window, run = 0, 0
     for i in range(len(others)):  # the largest prefetch window over the traced order
         run = 0
-        for n in others[i + 1:]:
+        for n in others[i + 1 : i + 1 + PREFETCH_UNITS]:
             if run + n > budget:
                 break
             run += n

@@ -1,0 +1,112 @@
+"""Which modules own stage-3 units (:func:`select_units`, pure) and building the units and their
+:class:`~shardspeed.zero.stage3.ParamManager` for a model (:func:`build_stage3_units`)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..comm.collectives import Collectives
+from .placement import DevicePlacement, ShardPlacement
+from .stage3 import ParamManager
+from .tags import init_shard_of, tag_unit
+from .unit import ShardedParamUnit
+
+
+def param_numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also when zero.Init left only an empty placeholder in ``.data``."""
+    info = init_shard_of(p)
+    return info.numel if info is not None else p.numel()
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but are never called themselves
+
+
+def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    """Partition ``module``'s parameters into units: (owning module, parameters).
+
+    Top-down: a called module whose parameters (those not taken yet) number at most ``max_numel`` becomes
+    one unit with all of them (so a transformer block is one unit, as with FSDP2's per-block wrapping);
+    a larger one is split among its children, and what is left under it (its own parameters and children
+    smaller than ``max_numel / 8``) becomes its unit. Containers (ModuleList/ModuleDict) are never called,
+    so they never own a unit. Each parameter appears once: tied parameters go to the first unit that
+    reaches them. A unit's owner is always a module whose forward runs, which is what gathers it.
+    """
+    claimed: set = set()
+    units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
+    min_child = max(1, max_numel // 8)
+
+    def unclaimed(m: nn.Module) -> List[nn.Parameter]:
+        out, seen = [], set()
+        for p in m.parameters():
+            if id(p) not in claimed and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def take(m: nn.Module, params: List[nn.Parameter]) -> None:
+        if params:
+            claimed.update(id(p) for p in params)
+            units.append((m, params))
+
+    def assign(m: nn.Module) -> None:
+        params = unclaimed(m)
+        size = sum(param_numel(p) for p in params)
+        if not params:
+            return
+        container = isinstance(m, _CONTAINERS)
+        if m is not module and not container and (size <= max_numel or not any(True for _ in m.children())):
+            take(m, params)
+            return
+        for child in m.children():
+            child_size = sum(param_numel(p) for p in unclaimed(child))
+            if child_size >= min_child or container or isinstance(child, _CONTAINERS):
+                assign(child)
+        if not container:
+            take(m, unclaimed(m))
+
+    assign(module)
+    return units
+
+
+def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
+    """Largest unit: the prefetch bucket (so the next unit can be prefetched), and at most a quarter of the
+    model (so even a small model is split and its parameters are never all gathered at once)."""
+    cap = int(prefetch_bucket_size) if prefetch_bucket_size and prefetch_bucket_size > 0 else total
+    return max(1, min(cap, total // 4))
+
+
+def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, rank: int,
+                       placement: Callable[[], ShardPlacement] = DevicePlacement):
+    """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
+    ``placement()`` (device, host or file, as the builder decided). ``sharding``: the plan's
+    :class:`~shardspeed.plan.ShardingPlan` (prefetch bucket, persistence threshold, live parameters).
+    Returns (units, manager)."""
+    all_params = list(dict.fromkeys(model.parameters()))
+    total = sum(param_numel(p) for p in all_params)
+    selected = select_units(model, unit_max_numel(total, sharding.prefetch_bucket))
+    units: List[ShardedParamUnit] = []
+    owners: List[nn.Module] = []
+    for owner, params in selected:
+        # one flat buffer has one dtype; frozen and trainable parameters apart, so that every rank owns its
+        # share of the trainable elements (a LoRA adapter after its frozen base weight would otherwise sit on
+        # the last rank) and autograd's use of frozen weights is tracked on its own (see _post_backward)
+        by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
+        for p in params:
+            by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
+        for plist in by_kind.values():
+            units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
+                                          group=collectives.group, placement=placement()))
+            owners.append(owner)
+    manager = ParamManager(
+        units, owners, collectives,
+        prefetch_numel=int(sharding.prefetch_bucket),
+        persistence_numel=int(sharding.persistence_threshold),
+        max_live_numel=int(sharding.max_live_parameters),
+        root=model,
+    )
+    for u in units:
+        for i, p in enumerate(u.params):
+            tag_unit(p, u, i, manager)
+    return units, manager
