@@ -199,9 +199,18 @@ def init_gloo(rank: int, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
 
 
+BASE_SRC_ENV = "SHARDSPEED_BENCH_BASE_SRC"
+BASE_SUFFIX = "@base"  # a system named e.g. "ss3@base" runs the shardspeed of $SHARDSPEED_BENCH_BASE_SRC
+
+
 def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, port: int, cmd_q, res_q,
             total_steps: int, threads: int) -> None:
     worker_setup(rank, world, port, threads)
+    if system.endswith(BASE_SUFFIX):  # a paired run: this group imports the other tree's shardspeed
+        for name in [m for m in sys.modules if m == "shardspeed" or m.startswith("shardspeed.")]:
+            del sys.modules[name]  # this module imported ours (reset_peak_rss)
+        sys.path.insert(0, os.environ[BASE_SRC_ENV])
+        system = system[: -len(BASE_SUFFIX)]
     try:
         import torch.distributed as dist
 
@@ -235,6 +244,7 @@ def _worker(system: str, model_name: str, dtype: str, rank: int, world: int, por
             return
         dist.barrier()
         res_q.put((rank, "ready", {"params": n_params, "build_s": time.perf_counter() - t0, "kernel": sysobj.kernel,
+                                   "shardspeed_src": os.path.dirname(os.path.dirname(shardspeed.__file__)),
                                    "rss_before_kb": rss_before, "hwm_reset": reset_ok}))
         step_i, losses, counted_steps = 0, [], 0
         while True:
@@ -506,7 +516,7 @@ def summarise(system: str, model_name: str, dtype: str, world: int, info: dict, 
         comm_source = "shardspeed comms log"
     return {
         "system": system, "status": "ok", "model": model_name, "comm_source": comm_source, "dtype": dtype, "world": world,
-        "params": info["params"], "optimizer_kernel": info["kernel"],
+        "params": info["params"], "optimizer_kernel": info["kernel"], "shardspeed_src": info.get("shardspeed_src"),
         "median_step_s": med, "p10_step_s": q[0], "p90_step_s": q[-1], "timed_steps": len(times),
         "tokens_per_s": tokens_per_step(model_name, world) / med,
         "peak_rss_mb": max(r["peak_rss_kb"] for r in reps) / 1024,

@@ -75,6 +75,9 @@ def add_ratios(rows: Dict[str, dict]) -> None:
             r[key] = statistics.median(per_round) if per_round else None
             r[key + "_rounds"] = per_round  # the spread: min..max of the per-round ratios
             r[key + "_of_medians"] = r["median_step_s"] / t(peer) if peer and t(peer) else None
+        base = paired(r, s + "@base")  # a paired run (run.py --base): this tree over the other one
+        r["vs_base"] = statistics.median(base) if base else None
+        r["vs_base_rounds"] = base
         r["mem_vs_deepspeed"] = r["peak_rss_delta_mb"] / m(ds) if ds and m(ds) else None
         r["mem_vs_fsdp2"] = r["peak_rss_delta_mb"] / m("fsdp2") if m("fsdp2") else None
         ref = rows.get("ddp") if rows.get("ddp", {}).get("status") == "ok" else None

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import run_waves  # noqa: E402
+from benchmarks.harness import BASE_SRC_ENV, BASE_SUFFIX, run_waves  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.report import add_ratios, machine, markdown_table, write  # noqa: E402
 
@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-alive", type=int, default=8,
                     help="systems alive at once (memory); more are run in waves that each repeat DDP and FSDP2")
     ap.add_argument("--tag", default=None, help="results file name (default: suite or quick)")
+    ap.add_argument("--base", default=None, metavar="SRC",
+                    help="a paired run: every shardspeed system also runs as <system>@base from the source tree SRC "
+                         "(e.g. a `git archive` of another commit), interleaved with this one; vs_base = this / base")
     args = ap.parse_args(argv)
     models = args.models.split(",") if args.models else (["mlp-quick", "gpt-quick"] if args.quick else ["mlp", "gpt"])
     def timing(model):
@@ -47,6 +50,9 @@ def main(argv=None) -> int:
         return (args.warmup if args.warmup is not None else dw, args.blocks if args.blocks is not None else db,
                 args.steps if args.steps is not None else ds)
     systems = [s for s in args.systems.split(",") if s]
+    if args.base:
+        os.environ[BASE_SRC_ENV] = os.path.abspath(args.base)
+        systems += [s + BASE_SUFFIX for s in systems if s.startswith("ss")]
     tag = args.tag or (("quick" if args.quick else "suite") + (f"-w{args.world}" if args.world != 2 else "")
                        + (f"-{args.dtype}" if args.dtype != "fp32" else ""))
     t0 = time.time()
@@ -64,6 +70,11 @@ def main(argv=None) -> int:
         all_rows[model] = rows
         print(markdown_table(rows))
         print(markdown_table(rows, spread=True))
+        if args.base:
+            for s, r in rows.items():
+                if r.get("vs_base") is not None:
+                    rounds = ", ".join(f"{x:.3f}" for x in r["vs_base_rounds"])
+                    print(f"{s} / {s}{BASE_SUFFIX}: {r['vs_base']:.3f}  (rounds: {rounds})")
         write(tag, all_rows, dict(meta, partial=True))  # keep what is done if a later model fails
     meta["wall_s"] = time.time() - t0
     for p in write(tag, all_rows, meta):

@@ -224,7 +224,9 @@ class ShardspeedSystem(System):
         return self.engine.comms_summary()
 
     def reset_library_comms(self):
-        self.engine.comms_logger.reset()
+        log = getattr(self.engine, "comms_logger", None)  # None: an older shardspeed of a paired run (--base)
+        if log is not None:
+            log.reset()
 
 
 def build_system(system: str, model, micro_batch: int, dtype: str = "fp32") -> System:
