@@ -11,7 +11,7 @@ one of two layouts:
 - ``s3-pnvme``: ZeRO stage 3, ``offload_param`` nvme and ``offload_optimizer`` nvme (the parameter shards
   in a file as well).
 
-``verify`` on/off is ``shardspeed.offload.store.VERIFY_SWAP`` (an internal switch, not a config key), set
+``verify`` on/off is the environment variable ``SHARDSPEED_VERIFY_SWAP`` (an internal switch, not a config key), set
 in the child before ``initialize``; the runs alternate on/off for ``--rounds`` rounds, and the table gives
 the medians. The runs use one intra-op thread (``--threads``): on a 2-core machine torch's OpenMP workers
 spin after each kernel and starve the store's I/O threads, which made the runs without checksums up to 4x
@@ -66,7 +66,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    store.VERIFY_SWAP = verify
+    os.environ[store.VERIFY_SWAP_ENV] = "1" if verify else "0"
     spent = {"s": 0.0, "cpu_s": 0.0, "bytes": 0, "calls": 0}
     lock = threading.Lock()
     inner = swap_io._sum_blocks

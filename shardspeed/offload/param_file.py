@@ -39,7 +39,7 @@ class NvmeParamFile:
 
     def __init__(self, nvme_path: str, rank: int, verify: Optional[bool] = None):
         self.nbytes = 0
-        self.verify = store.VERIFY_SWAP if verify is None else bool(verify)
+        self.verify = store.verify_swap_default() if verify is None else bool(verify)
         self._sums: Dict[int, torch.Tensor] = {}  # region offset -> block sums of its bytes as last written
         self._size: Dict[int, int] = {}  # region offset -> bytes of data in it (numel × element size)
         self.root, self.dir = make_swap_dir(nvme_path, "param", rank, 0, "the parameter shards")

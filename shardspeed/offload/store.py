@@ -61,9 +61,14 @@ logger = logging.getLogger("shardspeed")
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
 
-#: Whether new NVMe stores and parameter files verify what they read back (an internal switch, not a config
-#: key: ``benchmarks/bench_nvme_checksum.py`` turns it off to measure what the checksums cost).
-VERIFY_SWAP = True
+#: The environment variable that, set to ``0``, makes new NVMe stores and parameter files skip verifying what
+#: they read back (an internal switch, not a config key: ``benchmarks/bench_nvme_checksum.py`` sets it to
+#: measure what the checksums cost). Read at construction; nothing module-level changes.
+VERIFY_SWAP_ENV = "SHARDSPEED_VERIFY_SWAP"
+
+
+def verify_swap_default() -> bool:
+    return os.environ.get(VERIFY_SWAP_ENV, "1") != "0"
 
 
 class TileState(NamedTuple):
@@ -136,7 +141,7 @@ class NvmeStateStore:
     """Optimizer state of the given tiles in files; streamed through ``buffer_count`` host buffers.
 
     Every read is checked against the block sums of what was written (``verify``; default
-    :data:`VERIFY_SWAP`), kept in memory per tile and state: 8 bytes per 4 KiB of file."""
+    :data:`VERIFY_SWAP_ENV`), kept in memory per tile and state: 8 bytes per 4 KiB of file."""
 
     kind = "nvme"
 
@@ -146,7 +151,7 @@ class NvmeStateStore:
             raise ConfigError("offload_optimizer.buffer_count must be >= 1 with device \"nvme\" (2 or more "
                               "lets reading the next tile overlap the step of the current one)")
         self.tiles = list(tiles)
-        self.verify = VERIFY_SWAP if verify is None else bool(verify)
+        self.verify = verify_swap_default() if verify is None else bool(verify)
         total = sum(t.numel for t in self.tiles)
         root, self.dir = make_swap_dir(nvme_path, "optim", rank, 3 * total * _FP32, "the optimizer state")
         # tile index -> block sums of (master, exp_avg, exp_avg_sq) as last written (the files start as zeros)
