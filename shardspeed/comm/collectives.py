@@ -22,6 +22,7 @@ from ..mesh.topology import Topology, describe_group, group_ranks
 
 logger = logging.getLogger(__name__)
 
+
 def _all_gather_tensor(output, input, group, async_op, chunks=False):
     # torch >= 2.12 renames the tensor-in/tensor-out collectives; looked up per call so that wrappers
     # installed on torch.distributed later (profilers, byte counters) see our traffic too.
@@ -73,6 +74,7 @@ def _reduce_scatter_tensor(output, input, group, async_op, chunks=False):
                                    async_op=async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
 
 #: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
 _RING_FACTOR = {
