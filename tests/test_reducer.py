@@ -30,7 +30,11 @@ from torch import nn
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 # (name, stage, overlap): the stage picks ReducePolicy.for_stage; "3" is stage 3's policy over flat units
-POLICIES = [("s0", 0, False), ("s1", 1, True), ("s1sync", 1, False), ("s2", 2, True), ("s3", 3, True)]
+# "s3c": stage 3's reducer as the builder makes it, small units coalesced into one reduce-scatter
+POLICIES = [("s0", 0, False), ("s1", 1, True), ("s1sync", 1, False), ("s2", 2, True), ("s3", 3, True),
+            ("s3c", 3, True)]
+COALESCED = {"s3c"}
+COALESCE_NUMEL = 40  # the units are 42, 24 and 8 elements (padded at world 2): the two smaller go together
 REDUCE_OPS = ("all_reduce", "reduce_scatter")
 
 
@@ -100,13 +104,14 @@ def _run():
     comm = Collectives(Topology.data_parallel(), CommsLogger())
     results = {}
 
-    def build(stage, overlap):
+    def build(stage, overlap, coalesce=False):
         model = _model()
         ref = copy.deepcopy(model)
         uw, ur = (1, 0) if stage == 0 else (world, rank)  # stage 0 units are not sharded (as the builder does)
         units = [FlatParamUnit(ps, world=uw, rank=ur, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(stage, overlap=overlap, accum_dtype=torch.float32, comm_dtype=torch.float32)
-        reducer = GradientReducer(units, comm, policy, max_buckets=3 if stage >= 2 else None)
+        reducer = GradientReducer(units, comm, policy, max_buckets={2: 3, 3: 1}.get(stage),
+                                  coalesce_numel=COALESCE_NUMEL if coalesce else 0)
         return model, ref, units, reducer
 
     for name, stage, overlap in POLICIES:
@@ -114,7 +119,7 @@ def _run():
         sync = {"on": True}
 
         # ---- basic -------------------------------------------------------------------------------
-        model, ref, units, reducer = build(stage, overlap)
+        model, ref, units, reducer = build(stage, overlap, name in COALESCED)
         res["policy_op"] = reducer.policy.op.value
         res["every_micro_step"] = reducer.policy.every_micro_step
         res["held_before"] = reducer.held_bytes()
@@ -147,7 +152,7 @@ def _run():
         reducer.remove_hooks()
 
         # ---- nosync: a non-boundary backward then a boundary one ------------------------------------
-        model, ref, units, reducer = build(stage, overlap)
+        model, ref, units, reducer = build(stage, overlap, name in COALESCED)
         try:
             reducer.reduce_pending()  # fresh reducer, nothing arrived
             res["pending_fresh"] = None
@@ -171,7 +176,7 @@ def _run():
         reducer.remove_hooks()
 
         # ---- twice: two reducing backwards before one step --------------------------------------------
-        model, ref, units, reducer = build(stage, overlap)
+        model, ref, units, reducer = build(stage, overlap, name in COALESCED)
         comm.log.reset()
         _loss(model, *_data(rank, 3)).backward()
         res["twice_counts_1"] = _counts(comm)
@@ -186,7 +191,7 @@ def _run():
         reducer.remove_hooks()
 
         # ---- assign: .grad written by hand; no hook fires ----------------------------------------------
-        model, ref, units, reducer = build(stage, overlap)
+        model, ref, units, reducer = build(stage, overlap, name in COALESCED)
         params = [p for ps in _unit_params(model) for p in ps]
         grads = torch.autograd.grad(_loss(model, *_data(rank, 6)), params)
         for p, g in zip(params, grads):
@@ -201,7 +206,7 @@ def _run():
         reducer.remove_hooks()
 
         # ---- multi: torch.autograd.backward on two outputs ----------------------------------------------
-        model, ref, units, reducer = build(stage, overlap)
+        model, ref, units, reducer = build(stage, overlap, name in COALESCED)
         x, y = _data(rank, 7)
         comm.log.reset()
         torch.autograd.backward([_loss(model, x[:2], y[:2]), _loss(model, x[2:], y[2:])])
@@ -228,8 +233,22 @@ def _close(got, exp):
         torch.testing.assert_close(g, e, **TOL, msg=lambda m, i=i: f"unit {i}: {m}")
 
 
-def _n_units(res):
-    return len(res["layout"])
+def _n_units(res, name=""):
+    """Collectives one reducing backward issues: one per unit, or with coalescing ("s3c") one per unit of at
+    least the threshold plus one per group of the smaller ones (in launch order), a group sent once it
+    reaches the threshold, or at the end of the backward."""
+    if name not in COALESCED:
+        return len(res["layout"])
+    sizes = [padded for padded, _ in res["layout"]]
+    small, n, pending = res.get("coalesce_numel", COALESCE_NUMEL), 0, 0
+    for ui in res["launch_log"]:
+        if sizes[ui] < small:
+            pending += sizes[ui]
+            if pending >= small:
+                n, pending = n + 1, 0
+        else:
+            n += 1
+    return n + (1 if pending else 0)
 
 
 def _expected_op(name):
@@ -255,7 +274,7 @@ def test_basic_backward_gives_rank_average_of_this_ranks_chunk(ranks, name):
     for rank_res in ranks:
         res = rank_res[name]
         _close(res["basic"], res["basic_exp"])
-        assert res["basic_counts"] == {_expected_op(name): _n_units(res)}
+        assert res["basic_counts"] == {_expected_op(name): _n_units(res, name)}
         assert all(res["param_grads_after"]), ".grad is dropped once taken into the bucket"
 
 
@@ -274,7 +293,7 @@ def test_ranks_hold_different_chunks(world2):
 def test_non_boundary_backward_does_not_reduce_and_boundary_reduces_the_sum_once(ranks, name):
     for rank_res in ranks:
         res = rank_res[name]
-        n = _n_units(res)
+        n = _n_units(res, name)
         if STAGE[name] >= 2:  # stages 2-3 reduce every micro-step regardless of the sync policy
             assert res["nosync_counts_1"] == {"reduce_scatter": n}
             assert res["nosync_counts_2"] == {"reduce_scatter": n}
@@ -290,7 +309,7 @@ def test_non_boundary_backward_does_not_reduce_and_boundary_reduces_the_sum_once
 def test_two_backwards_in_one_boundary_sum_and_reduce_once_each(ranks, name):
     for rank_res in ranks:
         res = rank_res[name]
-        n = _n_units(res)
+        n = _n_units(res, name)
         assert res["twice_counts_1"] == {_expected_op(name): n}
         assert res["twice_counts_2"] == {_expected_op(name): n}
         assert res["twice_counts_pending"] == {}
@@ -302,7 +321,7 @@ def test_grad_assigned_by_hand_is_taken_in_by_reduce_pending(ranks, name):
     for rank_res in ranks:
         res = rank_res[name]
         assert res["assign_before_pending"] == [None] * _n_units(res)
-        assert res["assign_counts"] == {_expected_op(name): _n_units(res)}
+        assert res["assign_counts"] == {_expected_op(name): _n_units(res, name)}
         _close(res["assign"], res["assign_exp"])
         assert all(res["assign_grads_taken"])
 
@@ -311,7 +330,7 @@ def test_grad_assigned_by_hand_is_taken_in_by_reduce_pending(ranks, name):
 def test_autograd_backward_on_two_outputs(ranks, name):
     for rank_res in ranks:
         res = rank_res[name]
-        assert res["multi_counts"] == {_expected_op(name): _n_units(res)}, "reduced more than once"
+        assert res["multi_counts"] == {_expected_op(name): _n_units(res, name)}, "reduced more than once"
         _close(res["multi"], res["multi_exp"])
 
 

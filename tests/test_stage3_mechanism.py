@@ -109,6 +109,37 @@ def _parent_reads_child_case() -> dict:
     return {"losses": losses, "reads": reads, "gathers": gathers, "units": owners}
 
 
+def _gpt_tokens(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, 256, (8, 33), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _coalesce_case() -> dict:
+    """A tiny GPT at a third-of-a-layer prefetch bucket: each block's norms are a small unit of their own."""
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = _config(3, stage3_prefetch_bucket_size=20_000, stage3_param_persistence_threshold=0)
+    engine, *_ = shardspeed.initialize(model=GPT(GPTConfig.preset("tiny", dropout=0.0)), config=cfg)
+    r, n = dist.get_rank(), 8 // dist.get_world_size()
+    losses, scatters = [], []
+    for step in range(3):
+        x, y = _gpt_tokens(step)
+        before = engine.comms_summary().get("reduce_scatter", {}).get("count", 0)
+        loss = engine(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        losses.append(_global_mean(loss))
+        scatters.append(engine.comms_summary()["reduce_scatter"]["count"] - before)
+    red = engine.reducer
+    return {"losses": losses, "scatters": scatters, "coalesce_numel": red.coalesce_numel,
+            "layout": [(u.layout.padded_numel, 0) for u in red.units], "launch_log": [i for i, _ in red.launch_log]}
+
+
 def _lora_live_case(lora: bool) -> dict:
     """Largest share of the model gathered at once during backward, and the final losses."""
     import torch.distributed as dist
@@ -182,7 +213,7 @@ def _few_trainable() -> nn.Module:
 
 def _world2_cases() -> dict:
     warnings.filterwarnings("ignore")
-    out = {"parent": _parent_reads_child_case()}
+    out = {"parent": _parent_reads_child_case(), "coalesce": _coalesce_case()}
     try:
         import peft  # noqa: F401
         import transformers  # noqa: F401
@@ -211,6 +242,27 @@ def test_parent_reading_a_child_weight_trains_like_torch(world2):
     ref, _ = _reference(lambda: (torch.manual_seed(0), ParentReadsChild())[1], _batches())
     got = world2["parent"]
     assert got["losses"] == pytest.approx(ref, abs=1e-6)
+
+
+def test_small_units_are_reduced_together_and_train_like_torch(world2):
+    """Stage 3 reduces units under an eighth of the largest in groups (test_reducer has the rule): fewer
+    reduce-scatters than units, as many as the rule gives, and the losses of a one-process torch loop."""
+    from test_reducer import _n_units
+
+    from shardspeed.models import GPT, GPTConfig
+
+    got = world2["coalesce"]
+    assert got["scatters"][-1] == _n_units(got, "s3c") < len(got["layout"]), got
+    model = (torch.manual_seed(0), GPT(GPTConfig.preset("tiny", dropout=0.0)))[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ref = []
+    for step in range(3):
+        loss = model(*_gpt_tokens(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss))
+    assert got["losses"] == pytest.approx(ref, abs=1e-5)
 
 
 def test_a_unit_read_outside_its_module_is_gathered_by_the_reader_from_the_next_step(world2):

@@ -31,7 +31,7 @@ from ..zero.init import init_shard_of
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
-from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
+from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy, small_unit_numel
 from ..zero.stage3 import ParamManager
 from ..zero.stage3_units import build_stage3_units
 from ..zero.unit import FlatParamUnit
@@ -245,6 +245,7 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank))
         reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
+                                  coalesce_numel=small_unit_numel(units),
                                   on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
                                   on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager

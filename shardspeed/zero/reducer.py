@@ -30,7 +30,7 @@ import enum
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -109,8 +109,26 @@ class _UnitGrads:
         return self.seen == len(self.unit.grad_params) and (self.expected is None or self.arrivals >= self.expected)
 
 
-def _completed(g: _UnitGrads) -> bool:
-    """Whether an in-flight unit's reduction has finished (without waiting)."""
+def small_unit_numel(units: Sequence[FlatParamUnit]) -> int:
+    """Stage 3's coalescing threshold: an eighth of the largest trainable unit (as small children are left to
+    their parent's unit in unit selection). Units below it (norms, biases, small heads) are reduced in groups
+    of about that size: fewer collectives, and never more than an eighth of a unit held back."""
+    return max((u.layout.padded_numel for u in units if u.grad_params), default=0) // 8
+
+
+class _Group:
+    """Small units reduced in one collective: each rank's chunks of every member side by side in ``wire``
+    (rank r's row holds chunk r of each member, at ``offsets``)."""
+
+    __slots__ = ("members", "offsets", "sizes", "wire", "handle")
+
+    def __init__(self, members: List[_UnitGrads], offsets: List[int], sizes: List[int], wire: torch.Tensor,
+                 handle: CommHandle):
+        self.members, self.offsets, self.sizes, self.wire, self.handle = members, offsets, sizes, wire, handle
+
+
+def _completed(g: Union[_UnitGrads, _Group]) -> bool:
+    """Whether an in-flight reduction has finished (without waiting)."""
     assert g.handle is not None
     return g.handle.is_completed()
 
@@ -122,7 +140,7 @@ class GradientReducer:
                  max_buckets: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
                  first_order: Optional[Callable[[], Sequence[int]]] = None,
                  on_unit_started: Optional[Callable[[int], None]] = None,
-                 epilogue_timer: Callable[[], ContextManager] = nullcontext):
+                 epilogue_timer: Callable[[], ContextManager] = nullcontext, coalesce_numel: int = 0):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
@@ -140,7 +158,12 @@ class GradientReducer:
         self._in_backward = False
         self._arrived = False  # some gradient reached the reducer since the last step
         self._next_launch = 0
-        self._in_flight: List[_UnitGrads] = []
+        self._in_flight: List[Union[_UnitGrads, _Group]] = []
+        # stages 2-3: units under coalesce_numel elements are reduced together, in groups of about that size
+        # (see small_unit_numel); 0: every unit alone
+        self.coalesce_numel = int(coalesce_numel) if policy.every_micro_step else 0
+        self._small: List[_UnitGrads] = []  # launched (in order), waiting for their group to fill
+        self._small_numel = 0
         self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
         # stages 2-3 bound the full-size buckets alive at once, in flight or filling (the plan's
         # ``buckets_alive``); None: no bound (stages 0-1 keep them anyway)
@@ -270,6 +293,13 @@ class GradientReducer:
         self.launch_log.append((g.unit.index, self._pending_hooks))
         bucket = self._bucket(g)
         g.bucket, g.sending = None, bucket  # later gradients go into a fresh bucket, never into this one
+        n = g.unit.layout.padded_numel
+        if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER:
+            self._small.append(g)
+            self._small_numel += n
+            if self._small_numel >= self.coalesce_numel:
+                self._flush_small()
+            return  # a larger unit may go first: every rank makes the same choices, so the sequence agrees
         pol = self.policy
         wire = bucket if pol.comm_dtype == bucket.dtype else bucket.to(pol.comm_dtype)
         if pol.predivide_factor != 1.0:
@@ -281,9 +311,34 @@ class GradientReducer:
             lo, hi = g.unit.layout.chunk_range(g.unit.rank)
             g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
         self._in_flight.append(g)
+        self._bound_in_flight()
+
+    def _bound_in_flight(self) -> None:
         self._reap()  # block only past the memory bound
         while self.max_buckets is not None and len(self._in_flight) > self.max_buckets:
             self._complete(self._in_flight.pop(0))
+
+    def _flush_small(self) -> None:
+        """Reduce the pending small units in one reduce-scatter (their buckets are copied and released)."""
+        if not self._small:
+            return
+        group, self._small, self._small_numel = self._small, [], 0
+        world, rank = self.world, group[0].unit.rank
+        sizes = [g.unit.layout.padded_numel // world for g in group]
+        wire = torch.empty(world, sum(sizes), dtype=self.policy.comm_dtype, device=group[0].unit.device)
+        offsets, off = [], 0
+        for g, c in zip(group, sizes):
+            assert g.sending is not None
+            wire[:, off : off + c].copy_(g.sending.view(world, c))
+            self._recycle(g.sending)
+            g.sending = None
+            offsets.append(off)
+            off += c
+        if self.policy.predivide_factor != 1.0:
+            wire.div_(self.policy.predivide_factor)
+        handle = self.comm.reduce_scatter(wire[rank], wire.view(-1), async_op=self.policy.overlap)
+        self._in_flight.append(_Group(group, offsets, sizes, wire, handle))
+        self._bound_in_flight()
 
     def _make_room(self) -> None:
         """Before a new full-size bucket is filled: finish the reductions already done and, at the bound, wait
@@ -300,8 +355,11 @@ class GradientReducer:
         while self._in_flight and self.policy.every_micro_step and _completed(self._in_flight[0]):
             self._complete(self._in_flight.pop(0))
 
-    def _complete(self, g: _UnitGrads) -> None:
-        """Wait for one unit's reduction and average it into where the optimizer reads it."""
+    def _complete(self, g: Union[_UnitGrads, _Group]) -> None:
+        """Wait for one reduction and average it into where the optimizer reads it."""
+        if isinstance(g, _Group):
+            self._complete_group(g)
+            return
         assert g.handle is not None and g.wire is not None and g.sending is not None
         g.handle.wait()
         g.handle = None
@@ -322,17 +380,28 @@ class GradientReducer:
         else:  # a later backward before the step (rare): add its separately reduced part
             g.result[lo:hi].add_(reduced, alpha=1.0 / post)
 
+    def _complete_group(self, grp: _Group) -> None:
+        grp.handle.wait()
+        row = grp.wire[grp.members[0].unit.rank]
+        scale = self.policy.predivide_factor / float(self.world)
+        for g, off, c in zip(grp.members, grp.offsets, grp.sizes):
+            if g.result is None:
+                g.result = torch.zeros(c, dtype=self.policy.accum_dtype, device=g.unit.device)
+            g.result.add_(row[off : off + c], alpha=scale)
+
     def _launch_all_and_wait(self) -> None:
         """Launch, in the fixed order, every unit not sent yet, then every unit that received gradients after
         it was sent (the same units on every rank: they ran the same graph), and wait for all of them."""
         for ui in self._order[self._next_launch :]:
             self._launch(self._grads[ui])
         self._next_launch = len(self._order)
+        self._flush_small()
         self._wait_in_flight()
         late = [self._grads[ui] for ui in self._order if self._grads[ui].dirty]
         for g in late:
             g.launched = False
             self._launch(g)
+        self._flush_small()
         self._wait_in_flight()
         self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
 
