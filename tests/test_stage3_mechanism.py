@@ -245,7 +245,7 @@ def test_parent_reading_a_child_weight_trains_like_torch(world2):
 
 
 def test_small_units_are_reduced_together_and_train_like_torch(world2):
-    """Stage 3 reduces units under an eighth of the largest in groups (test_reducer has the rule): fewer
+    """Stage 3 reduces units under an eighth of the median unit in groups (test_reducer has the rule): fewer
     reduce-scatters than units, as many as the rule gives, and the losses of a one-process torch loop."""
     from test_reducer import _n_units
 

@@ -110,10 +110,12 @@ class _UnitGrads:
 
 
 def small_unit_numel(units: Sequence[FlatParamUnit]) -> int:
-    """Stage 3's coalescing threshold: an eighth of the largest trainable unit (as small children are left to
-    their parent's unit in unit selection). Units below it (norms, biases, small heads) are reduced in groups
-    of about that size: fewer collectives, and never more than an eighth of a unit held back."""
-    return max((u.layout.padded_numel for u in units if u.grad_params), default=0) // 8
+    """Stage 3's coalescing threshold: an eighth of the median trainable unit (as small children are left to
+    their parent's unit in unit selection; the median, so that one huge embedding does not make every other
+    unit "small"). Units below it (norms, biases, small heads) are reduced in groups of about that size: fewer
+    collectives, and never more than an eighth of a typical unit held back."""
+    sizes = sorted(u.layout.padded_numel for u in units if u.grad_params)
+    return sizes[len(sizes) // 2] // 8 if sizes else 0
 
 
 class _Group:
