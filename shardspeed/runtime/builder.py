@@ -31,9 +31,9 @@ from ..zero.init import init_shard_of
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
-from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy, small_unit_numel
+from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
 from ..zero.stage3 import ParamManager
-from ..zero.stage3_units import build_stage3_units
+from ..zero.stage3_units import build_stage3_units, small_unit_numel
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine

@@ -109,15 +109,6 @@ class _UnitGrads:
         return self.seen == len(self.unit.grad_params) and (self.expected is None or self.arrivals >= self.expected)
 
 
-def small_unit_numel(units: Sequence[FlatParamUnit]) -> int:
-    """Stage 3's coalescing threshold: an eighth of the median trainable unit (as small children are left to
-    their parent's unit in unit selection; the median, so that one huge embedding does not make every other
-    unit "small"). Units below it (norms, biases, small heads) are reduced in groups of about that size: fewer
-    collectives, and never more than an eighth of a typical unit held back."""
-    sizes = sorted(u.layout.padded_numel for u in units if u.grad_params)
-    return sizes[len(sizes) // 2] // 8 if sizes else 0
-
-
 class _Group:
     """Small units reduced in one collective: each rank's chunks of every member side by side in ``wire``
     (rank r's row holds chunk r of each member, at ``offsets``)."""
@@ -162,7 +153,7 @@ class GradientReducer:
         self._next_launch = 0
         self._in_flight: List[Union[_UnitGrads, _Group]] = []
         # stages 2-3: units under coalesce_numel elements are reduced together, in groups of about that size
-        # (see small_unit_numel); 0: every unit alone
+        # (stage3_units.small_unit_numel); 0: every unit alone
         self.coalesce_numel = int(coalesce_numel) if policy.every_micro_step else 0
         self._small: List[_UnitGrads] = []  # launched (in order), waiting for their group to fill
         self._small_numel = 0

@@ -2,7 +2,7 @@
 :class:`~shardspeed.zero.stage3.ParamManager` for a model (:func:`build_stage3_units`)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -110,3 +110,12 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
         for i, p in enumerate(u.params):
             tag_unit(p, u, i, manager)
     return units, manager
+
+
+def small_unit_numel(units: Sequence[ShardedParamUnit]) -> int:
+    """Stage 3's coalescing threshold: an eighth of the median trainable unit (as small children are left to
+    their parent's unit in unit selection; the median, so that one huge embedding does not make every other
+    unit "small"). Units below it (norms, biases, small heads) are reduced in groups of about that size: fewer
+    collectives, and never more than an eighth of a typical unit held back."""
+    sizes = sorted(u.layout.padded_numel for u in units if u.grad_params)
+    return sizes[len(sizes) // 2] // 8 if sizes else 0
