@@ -34,7 +34,7 @@ TABLE = [
      {"sharding.reduce_every_micro_step": False}),  # a pipeline reduces once at the boundary
     (_cfg(zero_optimization={"stage": 3, "reduce_scatter": False}), 2, None,
      {"sharding.partition_parameters": True, "sharding.reduce_op": "reduce_scatter",
-      "sharding.gather_after_step": False, "sharding.buckets_alive": 1,
+      "sharding.gather_after_step": False, "sharding.buckets_alive": None,
       "sharding.prefetch_bucket": 50_000_000, "sharding.persistence_threshold": 100_000}),
     (_cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
      2, None, {"placement.params": "host", "placement.optimizer": "host"}),

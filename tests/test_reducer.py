@@ -110,8 +110,10 @@ def _run():
         uw, ur = (1, 0) if stage == 0 else (world, rank)  # stage 0 units are not sharded (as the builder does)
         units = [FlatParamUnit(ps, world=uw, rank=ur, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(stage, overlap=overlap, accum_dtype=torch.float32, comm_dtype=torch.float32)
-        reducer = GradientReducer(units, comm, policy, max_buckets={2: 3, 3: 1}.get(stage),
-                                  coalesce_numel=COALESCE_NUMEL if coalesce else 0)
+        # "s3c" as the builder makes stage 3's: bounded in elements (one largest unit alive), small units coalesced
+        reducer = GradientReducer(units, comm, policy, max_buckets=None if coalesce else {2: 3, 3: 1}.get(stage),
+                                  coalesce_numel=COALESCE_NUMEL if coalesce else 0,
+                                  max_alive_numel=max(u.layout.padded_numel for u in units) if coalesce else 0)
         return model, ref, units, reducer
 
     for name, stage, overlap in POLICIES:

@@ -113,7 +113,7 @@ def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False
     z = cfg.zero_optimization
     stage = z.stage
     scatter = stage >= 1 and (bool(z.reduce_scatter) or stage == 3)
-    alive = {2: 3, 3: 1}.get(stage)
+    alive = {2: 3}.get(stage)
     return ShardingPlan(
         stage=stage, partition_optimizer=stage >= 1, partition_gradients=stage >= 2,
         partition_parameters=stage == 3, reduce_op="reduce_scatter" if scatter else "all_reduce",

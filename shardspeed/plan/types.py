@@ -71,8 +71,10 @@ class ShardingPlan:
     only the shard (stages 2-3 outside a pipeline); otherwise gradients accumulate locally until the
     boundary. ``unit_world``: ranks a flat unit is split over (1 at stage 0). ``buckets_alive``: the bound
     on full-size gradient buckets alive at once during a backward, the one being filled included (stage 2:
-    3, two reductions in flight while the next fills; stage 3: 1, a unit's reduction finishes before the
-    next unit's gradients are collected; None: unbounded, stages 0-1 keep their buckets anyway)."""
+    3, two reductions in flight while the next fills). Stage 3 (None here) bounds them in elements instead,
+    one largest unit's worth, measured by the builder (``stage3_units.largest_unit_numel``): a block-sized
+    unit's reduction finishes before the next block's gradients are collected, while smaller units keep
+    several in flight. Stages 0-1: None, they keep their buckets anyway."""
 
     stage: int
     partition_optimizer: bool

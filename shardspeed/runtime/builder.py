@@ -33,7 +33,7 @@ from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
 from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
 from ..zero.stage3 import ParamManager
-from ..zero.stage3_units import build_stage3_units, small_unit_numel
+from ..zero.stage3_units import build_stage3_units, largest_unit_numel, small_unit_numel
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine
@@ -245,7 +245,7 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank))
         reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
-                                  coalesce_numel=small_unit_numel(units),
+                                  coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
                                   on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
                                   on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager

@@ -21,7 +21,7 @@ One :class:`GradientReducer` serves stages 0-2 (and the gradient half of stage 3
 Where gradients live between micro-steps, per stage (``ReducePolicy``):
 stage 0 keeps the full bucket (all-reduced at the boundary), stage 1 keeps the full bucket (reduce-scattered
 at the boundary), stages 2-3 reduce-scatter every micro-step into a chunk-sized accumulator and free the
-bucket. Once reduced, a unit's result is kept apart from its bucket (``_UnitGrads.result``): gradients that
+bucket. Once reduced, a unit's result is kept apart from its bucket (``UnitGrads.result``): gradients that
 arrive after it (a second backward before the step) go into a fresh bucket and are reduced on their own.
 """
 from __future__ import annotations
@@ -34,8 +34,9 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from ..comm.collectives import Collectives, CommHandle
+from ..comm.collectives import Collectives
 from ..errors import ShardspeedError
+from .grad_records import SmallUnitGroup, UnitGrads, reduction_done
 from .unit import FlatParamUnit
 
 logger = logging.getLogger(__name__)
@@ -65,67 +66,6 @@ class ReducePolicy:
         return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
 
 
-class _UnitGrads:
-    """Gradient buffers and progress of one unit within the current backward.
-
-    Arrivals are counted per parameter: a parameter's gradient hook fires once per backward graph that uses
-    it, so a parameter used in several reentrant-checkpointed segments reports several times. The unit is
-    complete when every trainable parameter has arrived and, once learned from the first backward, as many
-    times as then (``expected``); a gradient that arrives after its unit was sent goes into a fresh bucket
-    and is reduced again at the end of the backward (reductions add up: every contribution counts once)."""
-
-    __slots__ = ("unit", "bucket", "sending", "result", "launched", "dirty", "handle", "wire", "counts", "seen",
-                 "arrivals", "expected", "round", "at_round", "round_tasks")
-
-    def __init__(self, unit: FlatParamUnit):
-        self.unit = unit
-        self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype: local sums not yet reduced
-        self.sending: Optional[torch.Tensor] = None  # a bucket whose reduction is in flight
-        # the reduced, averaged gradient since the last step: chunk-sized (every_micro_step policy), else the
-        # full-size buffer a reduction left its result in (only this rank's chunk of it is meaningful)
-        self.result: Optional[torch.Tensor] = None
-        self.launched = False
-        self.dirty = False  # the bucket holds gradients not reduced yet
-        self.handle: Optional[CommHandle] = None
-        self.wire: Optional[torch.Tensor] = None  # the tensor sent, when the wire dtype differs
-        self.counts = [0] * len(unit.params)  # arrivals per parameter in this backward
-        self.seen = 0  # trainable parameters arrived at least once
-        self.arrivals = 0
-        self.expected: Optional[int] = None  # arrivals in a whole backward, learned from the first one
-        self.round = 1  # stage 3 release tracking: arrivals of every parameter counted up to `round`
-        self.at_round = 0
-        self.round_tasks: set = set()  # autograd graph tasks the current round's arrivals came from
-
-    def reset(self) -> None:
-        self.launched = False
-        self.counts = [0] * len(self.unit.params)
-        self.seen = self.arrivals = self.at_round = 0
-        self.round = 1
-        self.round_tasks = set()
-
-    @property
-    def complete(self) -> bool:
-        """Every trainable parameter has arrived, as often as a whole backward brings them."""
-        return self.seen == len(self.unit.grad_params) and (self.expected is None or self.arrivals >= self.expected)
-
-
-class _Group:
-    """Small units reduced in one collective: each rank's chunks of every member side by side in ``wire``
-    (rank r's row holds chunk r of each member, at ``offsets``)."""
-
-    __slots__ = ("members", "offsets", "sizes", "wire", "handle")
-
-    def __init__(self, members: List[_UnitGrads], offsets: List[int], sizes: List[int], wire: torch.Tensor,
-                 handle: CommHandle):
-        self.members, self.offsets, self.sizes, self.wire, self.handle = members, offsets, sizes, wire, handle
-
-
-def _completed(g: Union[_UnitGrads, _Group]) -> bool:
-    """Whether an in-flight reduction has finished (without waiting)."""
-    assert g.handle is not None
-    return g.handle.is_completed()
-
-
 class GradientReducer:
     """Reduces unit gradients over the data-parallel group; drives itself from autograd's hooks."""
 
@@ -133,12 +73,13 @@ class GradientReducer:
                  max_buckets: Optional[int] = None, on_unit_ready: Optional[Callable[[int], None]] = None,
                  first_order: Optional[Callable[[], Sequence[int]]] = None,
                  on_unit_started: Optional[Callable[[int], None]] = None,
-                 epilogue_timer: Callable[[], ContextManager] = nullcontext, coalesce_numel: int = 0):
+                 epilogue_timer: Callable[[], ContextManager] = nullcontext, coalesce_numel: int = 0,
+                 max_alive_numel: int = 0):
         self.units = list(units)
         self.comm = collectives
         self.policy = policy
         self.world = collectives.world
-        self._grads = [_UnitGrads(u) for u in self.units]
+        self._grads = [UnitGrads(u) for u in self.units]
         # launch order: units with trainable parameters, in the units' order or as ``first_order()`` guesses a
         # backward produces them (asked at the first backward); re-learned from it (see _learn_order)
         self._first_order = first_order
@@ -151,16 +92,17 @@ class GradientReducer:
         self._in_backward = False
         self._arrived = False  # some gradient reached the reducer since the last step
         self._next_launch = 0
-        self._in_flight: List[Union[_UnitGrads, _Group]] = []
+        self._in_flight: List[Union[UnitGrads, SmallUnitGroup]] = []
         # stages 2-3: units under coalesce_numel elements are reduced together, in groups of about that size
         # (stage3_units.small_unit_numel); 0: every unit alone
         self.coalesce_numel = int(coalesce_numel) if policy.every_micro_step else 0
-        self._small: List[_UnitGrads] = []  # launched (in order), waiting for their group to fill
+        self._small: List[UnitGrads] = []  # launched (in order), waiting for their group to fill
         self._small_numel = 0
         self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
         # stages 2-3 bound the full-size buckets alive at once, in flight or filling (the plan's
         # ``buckets_alive``); None: no bound (stages 0-1 keep them anyway)
         self.max_buckets = max_buckets
+        self.max_alive_numel = int(max_alive_numel)  # elements of full-size buckets alive (0: no such bound)
         self.on_unit_ready = on_unit_ready
         self.on_unit_started = on_unit_started  # stage 3: a unit's first gradient has a bucket (prefetch now)
         self._sync_policy: Callable[[], bool] = lambda: True
@@ -197,7 +139,7 @@ class GradientReducer:
         # runs when autograd's engine finishes this backward, whoever started it (FSDP2 does the same)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def _bucket(self, g: _UnitGrads) -> torch.Tensor:
+    def _bucket(self, g: UnitGrads) -> torch.Tensor:
         if g.bucket is None:
             n = g.unit.layout.padded_numel
             free = self._pool.get(n)
@@ -214,7 +156,7 @@ class GradientReducer:
         if len(self._in_flight) + spare < (self.max_buckets or 0):  # in flight + spare stay within the bound
             self._pool.setdefault(t.numel(), []).append(t)
 
-    def _absorb(self, param: torch.Tensor) -> Optional[_UnitGrads]:
+    def _absorb(self, param: torch.Tensor) -> Optional[UnitGrads]:
         """Add ``param.grad`` into its unit's bucket and drop it. Returns the unit's record (None: no grad)."""
         ui, pi = self._where[id(param)]
         g = self._grads[ui]
@@ -223,7 +165,7 @@ class GradientReducer:
             return None
         started = g.bucket is None
         if started:
-            self._make_room()
+            self._make_room(g.unit.layout.padded_numel)
         g.unit.param_view(self._bucket(g), pi).add_(grad.reshape(-1))
         param.grad = None
         g.dirty = True
@@ -251,7 +193,7 @@ class GradientReducer:
             if self._reduce_now:
                 self._launch_ready_prefix()
 
-    def _track_release(self, ui: int, g: _UnitGrads, pi: int) -> None:
+    def _track_release(self, ui: int, g: UnitGrads, pi: int) -> None:
         """Stage 3: tell the parameter manager when autograd is done with a unit's parameters. That is when
         each has arrived once more and all of those arrivals came from the graph now running (a reentrant
         checkpoint's recomputed segment, or the whole backward): a parameter that arrived in an earlier
@@ -278,7 +220,7 @@ class GradientReducer:
             self._launch(g)
             self._next_launch += 1
 
-    def _launch(self, g: _UnitGrads) -> None:
+    def _launch(self, g: UnitGrads) -> None:
         if g.launched:
             return
         g.launched = True
@@ -330,27 +272,36 @@ class GradientReducer:
         if self.policy.predivide_factor != 1.0:
             wire.div_(self.policy.predivide_factor)
         handle = self.comm.reduce_scatter(wire[rank], wire.view(-1), async_op=self.policy.overlap)
-        self._in_flight.append(_Group(group, offsets, sizes, wire, handle))
+        self._in_flight.append(SmallUnitGroup(group, offsets, sizes, wire, handle))
         self._bound_in_flight()
 
-    def _make_room(self) -> None:
-        """Before a new full-size bucket is filled: finish the reductions already done and, at the bound, wait
-        for the oldest in flight, so that buckets in flight plus the new one stay within ``max_buckets``
-        (stage 3: 1, the previous unit's reduction overlaps the next unit's backward up to its first
-        gradient; its bucket is then reused)."""
+    def _make_room(self, numel: int) -> None:
+        """Before a new full-size bucket of ``numel`` elements is filled: finish the reductions already done
+        and, at the bound, wait for the oldest in flight, so that buckets in flight plus the new one stay
+        within ``max_buckets`` and ``max_alive_numel`` elements (stage 3: one largest unit; a block's
+        reduction then overlaps the next block's backward up to its first gradient, and its bucket is
+        reused)."""
         self._reap()
-        while self.max_buckets is not None and self._in_flight and len(self._in_flight) >= self.max_buckets:
+        while self._in_flight and self._over_bound(numel):
             self._complete(self._in_flight.pop(0))
+
+    def _over_bound(self, numel: int) -> bool:
+        if self.max_buckets is not None and len(self._in_flight) >= self.max_buckets:
+            return True
+        if not self.max_alive_numel:
+            return False
+        held = sum(x.wire.numel() if isinstance(x, SmallUnitGroup) else x.unit.layout.padded_numel for x in self._in_flight)
+        return held + numel > self.max_alive_numel
 
     def _reap(self) -> None:
         """Stages 2-3: finish the reductions that are already done, without blocking (their buckets go back to
         the pool, so the next unit's bucket reuses one instead of allocating)."""
-        while self._in_flight and self.policy.every_micro_step and _completed(self._in_flight[0]):
+        while self._in_flight and self.policy.every_micro_step and reduction_done(self._in_flight[0]):
             self._complete(self._in_flight.pop(0))
 
-    def _complete(self, g: Union[_UnitGrads, _Group]) -> None:
+    def _complete(self, g: Union[UnitGrads, SmallUnitGroup]) -> None:
         """Wait for one reduction and average it into where the optimizer reads it."""
-        if isinstance(g, _Group):
+        if isinstance(g, SmallUnitGroup):
             self._complete_group(g)
             return
         assert g.handle is not None and g.wire is not None and g.sending is not None
@@ -373,7 +324,7 @@ class GradientReducer:
         else:  # a later backward before the step (rare): add its separately reduced part
             g.result[lo:hi].add_(reduced, alpha=1.0 / post)
 
-    def _complete_group(self, grp: _Group) -> None:
+    def _complete_group(self, grp: SmallUnitGroup) -> None:
         grp.handle.wait()
         row = grp.wire[grp.members[0].unit.rank]
         scale = self.policy.predivide_factor / float(self.world)

@@ -119,3 +119,8 @@ def small_unit_numel(units: Sequence[ShardedParamUnit]) -> int:
     collectives, and never more than an eighth of a typical unit held back."""
     sizes = sorted(u.layout.padded_numel for u in units if u.grad_params)
     return sizes[len(sizes) // 2] // 8 if sizes else 0
+
+
+def largest_unit_numel(units: Sequence[ShardedParamUnit]) -> int:
+    """Stage 3's bound on gradient buckets alive at once, in elements: one largest trainable unit's worth."""
+    return max((u.layout.padded_numel for u in units if u.grad_params), default=0)
