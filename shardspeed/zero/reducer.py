@@ -151,10 +151,20 @@ class GradientReducer:
 
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a few freed buckets for the next units of the same size in this backward (transformer
-        blocks all match): fewer allocations; buckets in flight plus spares never exceed ``max_buckets``."""
-        spare = sum(len(v) for v in self._pool.values())
-        if len(self._in_flight) + spare < (self.max_buckets or 0):  # in flight + spare stay within the bound
+        blocks all match): fewer allocations; buckets in flight plus spares stay within ``max_buckets``, or
+        within ``max_alive_numel`` elements (stage 3)."""
+        if self.max_alive_numel:
+            keep = self._alive_numel() + t.numel() <= self.max_alive_numel
+        else:
+            keep = len(self._in_flight) + sum(len(v) for v in self._pool.values()) < (self.max_buckets or 0)
+        if keep:
             self._pool.setdefault(t.numel(), []).append(t)
+
+    def _alive_numel(self) -> int:
+        """Elements of the full-size buckets alive besides those being filled: in flight, and spare."""
+        flying = sum(x.wire.numel() if isinstance(x, SmallUnitGroup) else x.unit.layout.padded_numel
+                     for x in self._in_flight)
+        return flying + sum(n * len(v) for n, v in self._pool.items())
 
     def _absorb(self, param: torch.Tensor) -> Optional[UnitGrads]:
         """Add ``param.grad`` into its unit's bucket and drop it. Returns the unit's record (None: no grad)."""
@@ -284,14 +294,19 @@ class GradientReducer:
         self._reap()
         while self._in_flight and self._over_bound(numel):
             self._complete(self._in_flight.pop(0))
+        if self.max_alive_numel and self._over_bound(numel):  # spares of other sizes hold the excess: free them
+            for n in [n for n in self._pool if n != numel]:
+                del self._pool[n]
 
     def _over_bound(self, numel: int) -> bool:
+        """Whether a new bucket of ``numel`` elements would exceed the bound (a spare of that size, which it
+        would reuse, is not counted twice)."""
         if self.max_buckets is not None and len(self._in_flight) >= self.max_buckets:
             return True
         if not self.max_alive_numel:
             return False
-        held = sum(x.wire.numel() if isinstance(x, SmallUnitGroup) else x.unit.layout.padded_numel for x in self._in_flight)
-        return held + numel > self.max_alive_numel
+        reused = numel if self._pool.get(numel) else 0
+        return self._alive_numel() - reused + numel > self.max_alive_numel
 
     def _reap(self) -> None:
         """Stages 2-3: finish the reductions that are already done, without blocking (their buckets go back to
@@ -431,8 +446,9 @@ class GradientReducer:
                 g.bucket.zero_()
 
     def held_bytes(self) -> int:
-        """Bytes of gradient storage held now (buckets and results)."""
+        """Bytes of gradient storage held now (buckets, coalesced groups in flight and results)."""
         total = sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
+        total += sum(x.wire.numel() * x.wire.element_size() for x in self._in_flight if isinstance(x, SmallUnitGroup))
         for g in self._grads:
             for t in (g.bucket, g.sending, g.result):
                 if t is not None:
