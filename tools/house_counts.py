@@ -149,27 +149,20 @@ def sizes() -> tuple:
     return long_files, long_functions
 
 
+def _report(title: str, items: List[str]) -> None:
+    print(f"{title}: {len(items)}")
+    for item in items:
+        print("   ", item)
+
+
 def main() -> int:
     graph = import_graph()
-    found = cycles(graph)
-    hits = private_parts()
     long_files, long_functions = sizes()
-    print(f"import cycles: {len(found)}")
-    for c in found:
-        print("   ", " <-> ".join(c))
-    up = upward(graph)
-    print(f"upward imports: {len(up)}")
-    for u in up:
-        print("   ", u)
-    print(f"._p outside runtime/engine.py: {len(hits)}")
-    for h in hits:
-        print("   ", h)
-    print(f"files over 500 lines: {len(long_files)}")
-    for f in long_files:
-        print("   ", f)
-    print(f"functions over 80 lines: {len(long_functions)}")
-    for f in long_functions:
-        print("   ", f)
+    _report("import cycles", [" <-> ".join(c) for c in cycles(graph)])
+    _report("upward imports", upward(graph))
+    _report("._p outside runtime/engine.py", private_parts())
+    _report("files over 500 lines", long_files)
+    _report("functions over 80 lines", long_functions)
     return 0
 
 
