@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters live as shards and are gathered per unit around their use.
 
-- Units (:func:`~shardspeed.zero.stage3_units.select_units`): the largest called modules that fit under a size cap (transformer blocks,
-  typically); the root takes what is left.
+- Units (:func:`~shardspeed.zero.stage3_units.select_units`): the largest called modules that fit under a
+  size cap (transformer blocks, typically); the root takes what is left.
 - :class:`ParamManager` registers forward pre/post hooks on each unit's module (and on any other module
   that directly holds one of its parameters, e.g. a tied LM head) that gather and release the unit
   (reference-counted), and a gradient hook on those modules' outputs that re-gathers the unit before its
@@ -126,13 +126,18 @@ class ParamManager:
         # differs between a forward and its recompute: keep them out of any dispatch mode (torch's selective
         # activation checkpointing counts the ops it sees and requires the recompute to repeat them)
         with _disable_current_modes():
-            if start:
-                self._agree(start, index)
-            for i in start:
-                self.units[i].start_gather(self.comm)
-                self.gather_count += 1
+            self._start_gathers(start, index)
             if u.state is not UnitState.GATHERED:
                 u.finish_gather()
+
+    def _start_gathers(self, start: List[int], needed: int) -> None:
+        """Agree with the other ranks on ``start`` (the units about to be gathered for ``needed``), then
+        launch their all-gathers."""
+        if start:
+            self._agree(start, needed)
+        for i in start:
+            self.units[i].start_gather(self.comm)
+            self.gather_count += 1
 
     def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
         """The units to all-gather ahead of use after ``index``, from the traced order: the window ahead of
@@ -177,13 +182,9 @@ class ParamManager:
         if self._phase != "backward" or index in self._frozen:
             return
         plan = self._prefetch_plan(index, [])
-        if not plan:
-            return
-        with _disable_current_modes():
-            self._agree(plan, index)
-            for i in plan:
-                self.units[i].start_gather(self.comm)
-                self.gather_count += 1
+        if plan:
+            with _disable_current_modes():
+                self._start_gathers(plan, index)
 
     def _agree(self, starting: List[int], needed: int) -> None:
         """Before issuing all-gathers, check that every rank is about to gather the same units: one tiny
