@@ -23,14 +23,16 @@ from ..mesh.topology import Topology, describe_group, group_ranks
 logger = logging.getLogger(__name__)
 
 
-def _all_gather_tensor(output, input, group, async_op, chunks=False):
+def _all_gather_tensor(output, input, group, async_op):
     # torch >= 2.12 renames the tensor-in/tensor-out collectives; looked up per call so that wrappers
-    # installed on torch.distributed later (profilers, byte counters) see our traffic too.
-    # ``chunks`` (gloo): the list form over views of the output's per-rank chunks
-    if chunks:
-        return dist.all_gather(list(output.view(-1, input.numel()).unbind(0)), input, group=group, async_op=async_op)
+    # installed on torch.distributed later (profilers, byte counters) see our traffic too
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def _global_rank(group, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (None: the world)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 class _Works:
@@ -56,8 +58,7 @@ def _broadcast_gather(output: torch.Tensor, input: torch.Tensor, group, async_op
     forms) holds one as large as the whole output until its work is gone."""
     parts = output.view(-1, input.numel()).unbind(0)
     parts[dist.get_rank(group)].copy_(input)
-    works = [dist.broadcast(p, src=dist.get_global_rank(group, r) if group is not None else r, group=group,
-                            async_op=True) for r, p in enumerate(parts)]
+    works = [dist.broadcast(p, src=_global_rank(group, r), group=group, async_op=True) for r, p in enumerate(parts)]
     handle = _Works(works)
     if async_op:
         return handle
@@ -309,7 +310,7 @@ class Collectives:
         On gloo, whose all-gather holds a temporary as large as its whole output (a second copy of the model
         for the gather after a stage 1-2 step; a second gathered unit for each stage-3 prefetch in flight), a
         piece of :attr:`gloo_broadcast_bytes` or more is gathered by one broadcast per rank into ``output``'s
-        chunks instead, asynchronously too; smaller ones use the list form over those chunks.
+        chunks instead, asynchronously too (a smaller one's temporary is small).
         """
         if self.world == 1:
             if output.data_ptr() != input.data_ptr():
@@ -320,11 +321,11 @@ class Collectives:
                 return _broadcast_gather(output, input, self.group, a)
         else:
             def fn(a: bool) -> Any:
-                return _all_gather_tensor(output, input, group=self.group, async_op=a, chunks=self._is_gloo)
+                return _all_gather_tensor(output, input, group=self.group, async_op=a)
         return self._run("all_gather", fn, output, output, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
-        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+        src = _global_rank(self.group, src_rank)
         return self._run(
             "broadcast", lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), tensor, tensor, async_op
         )
@@ -380,7 +381,7 @@ class Collectives:
             self.log.finish(self.log.start_bytes("broadcast_object", 0, 0, 1))
             return obj
         box = [obj]
-        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+        src = _global_rank(self.group, src_rank)
         nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if self.topology.dp_rank == src_rank else 0
         self._run_object("broadcast_object",
                          lambda: dist.broadcast_object_list(box, src=src, group=self.group), nbytes, cause)
