@@ -107,16 +107,21 @@ def _check(cfg: ShardspeedConfig, mesh: MeshPlan, facts: ModelFacts) -> None:
                           "false")
 
 
+def reduce_op_for(stage: int, reduce_scatter: bool = True) -> str:
+    """ZeRO's gradient collective: all-reduce at stage 0; reduce-scatter at stages 1-3, unless
+    ``reduce_scatter`` (DeepSpeed's key) is false at stages 1-2 (all-reduce, each rank keeping its part)."""
+    return "reduce_scatter" if stage >= 1 and (reduce_scatter or stage == 3) else "all_reduce"
+
+
 def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False) -> ShardingPlan:
     """ZeRO's decisions for ``cfg.zero_optimization.stage``. ``pipelined``: a pipeline schedule's
     micro-batches accumulate locally, one reduction at the boundary."""
     z = cfg.zero_optimization
     stage = z.stage
-    scatter = stage >= 1 and (bool(z.reduce_scatter) or stage == 3)
     alive = {2: 3}.get(stage)
     return ShardingPlan(
         stage=stage, partition_optimizer=stage >= 1, partition_gradients=stage >= 2,
-        partition_parameters=stage == 3, reduce_op="reduce_scatter" if scatter else "all_reduce",
+        partition_parameters=stage == 3, reduce_op=reduce_op_for(stage, bool(z.reduce_scatter)),
         reduce_every_micro_step=stage >= 2 and not pipelined, gather_after_step=stage in (1, 2),
         overlap=bool(z.overlap_comm), unit_world=1 if stage == 0 else mesh.shard_size,
         reduce_bucket=int(z.reduce_bucket_size), buckets_alive=alive,

@@ -228,8 +228,7 @@ def _check_optimizer(cfg: ShardspeedConfig, optimizer) -> None:
 
 def _reduce_policy(plan: Plan) -> ReducePolicy:
     sh, pr = plan.sharding, plan.precision
-    op = ReduceOp.REDUCE_SCATTER if sh.reduce_op == "reduce_scatter" else ReduceOp.ALL_REDUCE
-    return ReducePolicy(op, sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce, pr.predivide_factor)
+    return ReducePolicy(ReduceOp(sh.reduce_op), sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce, pr.predivide_factor)
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
@@ -244,10 +243,11 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
     if sh.partition_parameters:
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank))
-        reducer = GradientReducer(units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
-                                  coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
-                                  on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
-                                  on_unit_started=manager.on_unit_started)
+        reducer = GradientReducer(
+            units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
+            coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
+            on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
+            on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
     flat = _build_units(params, sh.reduce_bucket, sh.unit_world, topo.dp_rank if sh.unit_world > 1 else 0, alone)

@@ -36,6 +36,7 @@ import torch
 
 from ..comm.collectives import Collectives
 from ..errors import ShardspeedError
+from ..plan.decide import reduce_op_for
 from .grad_records import SmallUnitGroup, UnitGrads, reduction_done
 from .unit import FlatParamUnit
 
@@ -61,9 +62,9 @@ class ReducePolicy:
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
                   predivide_factor: float = 1.0, reduce_scatter: bool = True) -> ReducePolicy:
-        """``reduce_scatter=False`` (DeepSpeed's key) all-reduces at stages 1-2 and keeps this rank's part."""
-        op = ReduceOp.REDUCE_SCATTER if stage >= 1 and (reduce_scatter or stage == 3) else ReduceOp.ALL_REDUCE
-        return cls(op, stage >= 2, overlap, accum_dtype, comm_dtype, predivide_factor)
+        """The policy the plan gives ``stage`` outside a pipeline (:func:`shardspeed.plan.decide.reduce_op_for`)."""
+        return cls(ReduceOp(reduce_op_for(stage, reduce_scatter)), stage >= 2, overlap, accum_dtype, comm_dtype,
+                   predivide_factor)
 
 
 class GradientReducer:
