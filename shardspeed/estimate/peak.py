@@ -8,8 +8,9 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   shard, where ``placement.params`` puts it (the device, the host, a file).
 - gradients: reduced only at the accumulation boundary (stages 0-1, and 2-3 in a pipeline) the full-size flat
   buckets in the accumulation dtype, kept across micro-steps; reduced every micro-step (stages 2-3) a 1/N
-  accumulator and, during backward, at most ``sharding.buckets_alive`` full-size unit buckets (stage 2:
-  two reductions in flight and one filling; stage 3: one). Units are ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
+  accumulator and, during backward, full-size unit buckets: at most ``sharding.buckets_alive`` (stage 2:
+  two reductions in flight and one filling), or one largest unit's worth (stage 3). Units are
+  ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
 - master weights: a separate fp32 shard unless the compute dtype is the master's and nothing is offloaded
   (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
   the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of

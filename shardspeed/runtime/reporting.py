@@ -93,8 +93,7 @@ class StepReport:
 
     def flops_scope(self, phase: str, step: int) -> ContextManager[Any]:
         """At the profiled step: the profiler's context for ``phase`` (forward, backward, step)."""
-        prof = self._parts.flops_profiler
-        return getattr(prof, phase)() if prof is not None and prof.active(step) else nullcontext()
+        return getattr(self._parts.flops_profiler, phase)() if self.flops_active(step) else nullcontext()
 
     def flops_report(self, engine: Engine) -> None:
         p = self._parts
