@@ -34,13 +34,14 @@ from .precision import (
     check_precision,
     normalize_dtype_name,
 )
+from .expert import ExpertParallelConfig
 from .zero import ZeroConfig
 
 _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
 _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove the block"
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
-_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile", "expert_parallel",
+_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile",
                          "weight_quantization", "torch_autocast", "datastates")
 
 
@@ -109,6 +110,9 @@ class ShardspeedConfig(ConfigModel):
                                      "(`stages` sizes the mesh's pipe dimension).")
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, description="Tensor "
                                                   "parallelism (`autotp_size` sizes the mesh's model dimension).")
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig, description="AutoEP: "
+                                                  "expert-parallel MoE blocks for Hugging Face models "
+                                                  "(`autoep_size` sizes the mesh's expert dimension).")
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig, description="Autotuning "
                                          "(`shardspeed autotune`) and a trial's profiling.")
     # Accepted for compatibility, not acted on.
@@ -128,8 +132,9 @@ class ShardspeedConfig(ConfigModel):
     log_level: Optional[str] = field(None, "DeepSpeed: its logger's level.", ignored=True)
     use_data_before_expert_parallelism: bool = field(False, "DeepSpeed: MoE process-group order.",
                                                      ignored=True)
-    sequence_parallel_size: int = field(1, "DeepSpeed: Ulysses sequence-parallel size (only 1 is supported).",
-                                        unsupported=True)
+    sequence_parallel_size: int = field(1, "DeepSpeed: Ulysses sequence-parallel size: ranks that split each "
+                                        "sequence (the mesh's sequence dimension; ZeRO shards over data × "
+                                        "sequence). See docs/long-context.md.", ge=1)
     managed_gradient_accumulation: bool = field(True, "DeepSpeed: false lets the client own the accumulation "
                                                 "boundary (only true is supported).", unsupported=True)
     gradient_allreduce_op: str = field("mean", "DeepSpeed: \"mean\" or \"sum\" (only \"mean\" is supported).",
@@ -163,7 +168,7 @@ class ShardspeedConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> ShardspeedConfig:
         check_precision(self.fp16, self.bf16)
-        for name in ("sequence_parallel_size", "managed_gradient_accumulation", "gradient_allreduce_op"):
+        for name in ("managed_gradient_accumulation", "gradient_allreduce_op"):
             default = type(self).model_fields[name].default
             if getattr(self, name) != default:
                 raise PydanticCustomError("unsupported", "'{key}' = {value} is not supported (only {default})",

@@ -3,7 +3,10 @@
 Semantics follow DeepSpeed's ``PipelineParallelGrid`` (``deepspeed/runtime/pipe/topology.py``), which is
 what a DeepSpeed engine's ``mpu`` is under pipeline parallelism:
 
-- data parallel: the mesh's ``data`` dimension (the group ZeRO shards over);
+- data parallel: the mesh's ``data`` dimension (the ranks reading different samples; ZeRO's group too unless
+  the sequence dimension is > 1);
+- sequence parallel: the ``sequence`` dimension; sequence-data parallel: data × sequence, the group ZeRO
+  shards over (DeepSpeed's ``seq_data_parallel_group``);
 - pipe parallel (also ``pipeline_model_parallel``): the ``pipe`` dimension; the rank is the stage;
 - slice parallel (also ``tensor_model_parallel``): the ``model`` dimension (tensor slicing);
 - model parallel: pipe × model, i.e. every rank holding part of the same model replica. Without
@@ -32,19 +35,38 @@ class MeshMPU:
                                    f"group alone, or from a user mpu without one)")
         return group
 
-    # ---- data parallel (ZeRO's group) -----------------------------------------------------------------
+    # ---- data parallel (the data dimension: ZeRO's group unless sequence > 1) ------------------------------
     def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.topology.dp_group
+        return self.topology.batch_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.topology.dp_rank
+        return self.topology.batch_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topology.dp_size
+        return self.topology.batch_world
 
     def get_data_parallel_group_ranks(self) -> List[int]:
-        group = self.topology.dp_group
+        group = self.topology.batch_group
         return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
+
+    # ---- sequence parallel, and sequence × data (ZeRO's group) -------------------------------------------
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
+        return self._group(self.topology.sequence_group, "sequence-parallel")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.topology.sequence_rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.topology.sequence_size
+
+    def get_sequence_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.topology.dp_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.topology.dp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.topology.dp_size
 
     # ---- model parallel: pipe × model ---------------------------------------------------------------
     def get_model_parallel_group(self) -> dist.ProcessGroup:
@@ -96,8 +118,9 @@ class MeshMPU:
         return dist.get_rank()
 
     def __repr__(self) -> str:
-        p, d, m = self.topology.mesh_shape
-        return f"MeshMPU(pipe={p}, data={d}, model={m}, rank={dist.get_rank()})"
+        p, m, t = self.topology.pipe_size, self.topology.model_size, self.topology
+        seq = f", sequence={t.sequence_size}" if t.sequence_size > 1 else ""
+        return f"MeshMPU(pipe={p}, data={t.batch_world}{seq}, model={m}, rank={dist.get_rank()})"
 
 
 def mpu_for(topology: Topology):

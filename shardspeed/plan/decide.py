@@ -37,7 +37,7 @@ def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
     facts = facts if facts is not None else ModelFacts()
     parsed = parse_config(config)
     mesh = _mesh(parsed, world_size, facts, mesh)
-    cfg = load_config(parsed, world_size=mesh.shard_size)
+    cfg = load_config(parsed, world_size=mesh.batch_world)
     _check(cfg, mesh, facts)
     assert cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu is not None
     assert cfg.gradient_accumulation_steps is not None  # load_config resolved the trio
@@ -55,21 +55,24 @@ def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
 
 
 def _mesh(cfg: ShardspeedConfig, world: int, facts: ModelFacts, given: Optional[MeshPlan]) -> MeshPlan:
-    pipe, tp = _pipe_size(cfg, facts), _tp_size(cfg, facts)
+    pipe, tp, seq = _pipe_size(cfg, facts), _tp_size(cfg, facts), int(cfg.sequence_parallel_size)
     if given is not None:
+        if seq > 1 and seq != given.sequence:
+            raise ConfigError(f"sequence_parallel_size {seq} disagrees with mpu=, whose sequence-parallel group has "
+                              f"size {given.sequence}; make them agree")
         for key, want, got in (("pipeline.stages", pipe, given.pipe), ("tensor_parallel.autotp_size", tp, given.model)):
             if want > 1 and want != got:
                 raise ConfigError(f"{key} {want} disagrees with mpu=, whose groups have size {got}; remove {key} "
                                   f"(the mpu decides the groups) or make them agree")
         return given
-    if world % (pipe * tp):
-        raise ConfigError(f"world {world} is not divisible by pipeline.stages {pipe} × "
-                          f"tensor_parallel.autotp_size {tp} = {pipe * tp}")
+    if world % (pipe * tp * seq):
+        by_seq = f" × sequence_parallel_size {seq}" if seq > 1 else ""
+        raise ConfigError(f"world {world} is not divisible by pipeline.stages {pipe} × tensor_parallel.autotp_size "
+                          f"{tp}{by_seq} = {pipe * tp * seq}")
     if pipe > 1 and facts.pipeline_stages is None:
         raise ConfigError(f"pipeline.stages {pipe} needs a shardspeed.pipe.PipelineModule model; build it as "
                           f"PipelineModule(layers=..., num_stages={pipe}) or set pipeline.stages to 1")
     declared = ("sequence",) if "sequence_parallel_size" in cfg.model_fields_set else ()
-    seq = int(cfg.sequence_parallel_size)  # the config allows 1 only, until sequence parallelism lands
     return MeshPlan(pipe=pipe, data=world // (pipe * tp * seq), sequence=seq, model=tp, declared=declared)
 
 
@@ -101,6 +104,9 @@ def _check(cfg: ShardspeedConfig, mesh: MeshPlan, facts: ModelFacts) -> None:
     if facts.built_sharded and stage != 3:
         raise ConfigError(f"the model was built under shardspeed.zero.Init (parameters sharded at construction), "
                           f"which needs zero_optimization.stage 3; the config says stage {stage}")
+    if mesh.sequence > 1 and (mesh.pipe > 1 or facts.pipeline_stages is not None):
+        raise ConfigError(f"sequence_parallel_size {mesh.sequence} with pipeline parallelism (pipeline.stages "
+                          f"{mesh.pipe}): not supported; set sequence_parallel_size to 1 or use one pipeline stage")
     if facts.pipeline_stages is not None and cfg.tensor_parallel.sequence_parallel and mesh.model > 1:
         raise ConfigError("tensor_parallel.sequence_parallel with a PipelineModule: stages exchange whole-sequence "
                           "activations (the pipeline's layers are not sequence-split); set sequence_parallel to "

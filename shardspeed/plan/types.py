@@ -62,6 +62,12 @@ class MeshPlan:
         """Ranks ZeRO partitions over: those holding the same parameters (data × sequence)."""
         return self.data * self.sequence
 
+    @property
+    def batch_world(self) -> int:
+        """The data-parallel degree of the batch arithmetic (global = micro × accumulation × this): ZeRO's
+        ranks less the sequence dimension, whose ranks share each sample's sequence."""
+        return self.shard_size // self.sequence
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
@@ -143,7 +149,7 @@ class PrecisionPlan:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The batch arithmetic, resolved: global = micro × accumulation × data-parallel size."""
+    """The batch arithmetic, resolved: global = micro × accumulation × data-parallel size (``MeshPlan.batch_world``)."""
 
     global_batch: int
     micro_batch: int

@@ -15,6 +15,7 @@ from ..comm.collectives import Collectives, CommsLogger
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
 from ..mesh.init import init_distributed
+from ..mesh.mpu import MeshMPU
 from ..mesh.topology import Topology
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
@@ -143,14 +144,16 @@ def build_engine(
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dist_init_required is not False:
         init_distributed()
-    user_topo = Topology.from_mpu(mpu) if mpu is not None else None
+    user_topo = _user_topology(mpu)
     parsed = parse_config(config)  # once: a path is read, and ignored keys warned about, one time
     plan = decide(parsed, torch.distributed.get_world_size(), model_facts(model),
-                  mesh=MeshPlan(pipe=user_topo.pipe_size, data=user_topo.dp_size, model=user_topo.model_size)
+                  mesh=MeshPlan(pipe=user_topo.pipe_size, data=user_topo.batch_world, model=user_topo.model_size,
+                                sequence=user_topo.sequence_size)
                   if user_topo is not None else None)
-    cfg = load_config(parsed, world_size=plan.mesh.shard_size)
+    cfg = load_config(parsed, world_size=plan.mesh.batch_world)
     _check_optimizer(cfg, optimizer)
-    topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims)
+    topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims,
+                                           sequence=plan.mesh.sequence)
     comms_logger = build_comms_logger(cfg.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
@@ -201,6 +204,17 @@ def build_engine(
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
     return engine
+
+
+def _user_topology(mpu) -> Optional[Topology]:
+    """The groups of ``initialize(mpu=...)``: a shardspeed ``MeshMPU`` (e.g. the one
+    ``register_with_transformers`` returns) brings its Topology as is; any other object is read as a
+    Megatron-style mpu."""
+    if mpu is None:
+        return None
+    if isinstance(mpu, MeshMPU):
+        return mpu.topology
+    return Topology.from_mpu(mpu)
 
 
 def model_facts(model: nn.Module) -> ModelFacts:

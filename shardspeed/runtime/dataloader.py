@@ -175,7 +175,7 @@ def build_dataloader(dataset, micro_batch_size: int, topo: Topology, collate_fn:
     resumable, see the module docstring; an ``IterableDataset`` gets a plain DataLoader, not resumable)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return DataLoader(dataset, batch_size=micro_batch_size, collate_fn=collate_fn, drop_last=drop_last)
-    sampler = ResumableDistributedSampler(dataset, num_replicas=topo.dp_size, rank=topo.dp_rank, shuffle=shuffle,
+    sampler = ResumableDistributedSampler(dataset, num_replicas=topo.batch_world, rank=topo.batch_rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
     # a generator of its own: torch's DataLoader otherwise draws its base seed from the global RNG on every
     # iter(), so a loop resumed from a checkpoint (RNG restored, then iter()) would shift dropout by one draw

@@ -164,7 +164,7 @@ class Engine(nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        return self._p.topology.dp_size
+        return self._p.topology.batch_world  # the data dimension: SP ranks share samples
 
     @property
     def mpu(self):
