@@ -83,6 +83,7 @@ _RING_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
     # object collectives: msg_bytes is this rank's pickled object (an estimate: torch pads and sends sizes too)
     "all_gather_object": lambda n: (n - 1) / n,
     "broadcast_object": lambda n: 1.0 if n > 1 else 0.0,
@@ -91,7 +92,7 @@ _RING_FACTOR = {
 
 #: Messages of each op expressed in "model-size units": an all-reduce of Ψ counts as 2Ψ (it is a
 #: reduce-scatter plus an all-gather), as in the ZeRO paper's accounting.
-_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0,
+_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "all_to_all": 1.0,
                  "all_gather_object": 1.0, "broadcast_object": 1.0, "barrier": 0.0}
 
 
@@ -323,6 +324,18 @@ class Collectives:
             def fn(a: bool) -> Any:
                 return _all_gather_tensor(output, input, group=self.group, async_op=a)
         return self._run("all_gather", fn, output, output, async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
+        """Row ``r`` of ``input`` (dim 0 split in ``world`` equal parts) goes to rank ``r``; ``output``'s row ``r``
+        comes from rank ``r``."""
+        if self.world == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return self._run("all_to_all", None, input, output, async_op)
+        return self._run(
+            "all_to_all", lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a), input,
+            output, async_op
+        )
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:
         src = _global_rank(self.group, src_rank)

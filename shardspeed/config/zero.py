@@ -140,14 +140,17 @@ class ZeroConfig(ConfigModel):
                                        "`stage3_allgather_sequential`.", ignored=True)
     legacy_stage1: bool = field(False, "DeepSpeed: old stage 1 implementation.", ignored=True)
     parameter_alignment: bool = field(False, "DeepSpeed: 16-byte alignment in flat buffers.", ignored=True)
-    zero_hpz_partition_size: int = field(1, "ZeRO++ hierarchical partition size.", ge=0,
-                                         not_implemented="ZeRO++ hierarchical partitioning (hpZ)")
-    zero_quantized_weights: bool = field(False, "ZeRO++ quantized weight all-gather.",
-                                         not_implemented="ZeRO++ quantized weights (qwZ)")
-    zero_quantized_nontrainable_weights: bool = field(False, "ZeRO++ quantized frozen weights.",
-                                                      not_implemented="ZeRO++ quantized frozen weights")
-    zero_quantized_gradients: bool = field(False, "ZeRO++ quantized gradients.",
-                                           not_implemented="ZeRO++ quantized gradients (qgZ)")
+    zero_hpz_partition_size: int = field(1, "ZeRO++ hpZ: ranks of a secondary partition of the stage-3 "
+                                         "parameters (a node); backward gathers stay inside it (1: off).", ge=0)
+    zero_quantized_weights: bool = field(False, "ZeRO++ qwZ: stage-3 parameter all-gathers carry block-quantized "
+                                         "integers and a scale per block.")
+    zero_quantized_nontrainable_weights: bool = field(False, "ZeRO++: quantize the all-gathers of frozen "
+                                                      "(requires_grad=False) units only.")
+    zero_quantized_gradients: bool = field(False, "ZeRO++ qgZ: stage-3 gradient reduction by an all-to-all of "
+                                           "block-quantized integers, summed in fp32.")
+    zero_quantized_weights_bits: int = field(8, "shardspeed: bits per quantized weight (8 or 4).")
+    zero_quantized_gradients_bits: int = field(8, "shardspeed: bits per quantized gradient (8 or 4).")
+    zero_quantization_block_size: int = field(256, "shardspeed: values per quantization scale (ZeRO++).", ge=2)
     memory_efficient_linear: bool = field(True, "DeepSpeed: stage 3 linear layer.", ignored=True)
     pipeline_loading_checkpoint: bool = field(False, "DeepSpeed: stage 3 pipeline checkpoint loading.",
                                               ignored=True)

@@ -239,20 +239,36 @@ class TopologyRegistry:
         self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
         self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device, Tuple[str, ...], int], Topology] = {}
         self._current: Optional[Topology] = None
+        self._levels: Dict[Tuple[Tuple[int, ...], int], Optional[dist.ProcessGroup]] = {}  # node_group's
 
     def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = MESH_DIMS, sequence: int = 1) -> Topology:
         """The Topology of the ``(pipe, data, model)`` mesh of the world (times ``sequence``), its device mesh
         over ``dims`` (built on first use: collective)."""
         sizes = mesh_sizes(dist.get_world_size(), pipe, model, sequence)
         device = local_device()
-        default = dist.distributed_c10d._get_default_group()
-        if self._default is None or self._default() is not default:
-            self._meshes.clear()  # torch.distributed was re-initialised: the old groups are gone
-            self._default = weakref.ref(default)
+        self._forget_dead_groups()
         key = (sizes, device, tuple(dims), sequence)
         if key not in self._meshes:
             self._meshes[key] = Topology.build_mesh(sizes, device, dims, sequence)
         return self._meshes[key]
+
+    def _forget_dead_groups(self) -> None:
+        default = dist.distributed_c10d._get_default_group()
+        if self._default is None or self._default() is not default:
+            self._meshes.clear()  # torch.distributed was re-initialised: the old groups are gone
+            self._levels.clear()
+            self._default = weakref.ref(default)
+
+    def node_group(self, topology: Topology, size: int) -> Optional[dist.ProcessGroup]:
+        """hpZ's level of the data dimension: this rank's block of ``size`` consecutive ranks of
+        ``topology``'s ZeRO group (a node, where ranks are numbered node by node as torchrun numbers them).
+        Collective over the world on first use (every rank creates every block's group, in the same order,
+        with the world's timeout); kept like the meshes."""
+        self._forget_dead_groups()
+        key = (tuple(group_ranks(topology.dp_group)), size)
+        if key not in self._levels:
+            self._levels[key] = _node_group(topology.dp_group, size)
+        return self._levels[key]
 
     def meshes(self) -> List[Topology]:
         """The meshes kept (those of the current default group), in the order they were built."""
@@ -334,6 +350,14 @@ def _new_groups(rank_lists: List[List[int]], desc: Optional[str] = None) -> Opti
         if me in ranks:
             mine = group
     return mine
+
+
+def _node_group(dp_group: Optional[dist.ProcessGroup], size: int) -> Optional[dist.ProcessGroup]:
+    """Every ZeRO group's blocks of ``size`` consecutive ranks, created on every rank; this rank's."""
+    groups: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(groups, group_ranks(dp_group))
+    blocks = sorted({tuple(r[i : i + size]) for r in groups for i in range(0, len(r), size)})
+    return _new_groups([list(b) for b in blocks], desc="data_node")
 
 
 def _shard_rank_lists(ranks: torch.Tensor, dims: List[str]) -> List[List[int]]:

@@ -24,6 +24,7 @@ from .types import (
     PrecisionPlan,
     ShardingPlan,
     TensorParallelPlan,
+    ZeroPlusPlan,
 )
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -133,8 +134,34 @@ def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False
         reduce_bucket=int(z.reduce_bucket_size), buckets_alive=alive,
         prefetch_bucket=int(z.prefetch_bucket_size), persistence_threshold=int(z.param_persistence_threshold),
         max_live_parameters=int(z.max_live_parameters),
-        gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save),
+        gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save), zeropp=zeropp_plan(cfg, mesh),
     )
+
+
+def zeropp_plan(cfg: ShardspeedConfig, mesh: MeshPlan) -> ZeroPlusPlan:
+    """ZeRO++'s keys: stage 3 only; hpZ's partition divides the ranks ZeRO shards over."""
+    z = cfg.zero_optimization
+    hpz = max(int(z.zero_hpz_partition_size), 1)
+    weights = "all" if z.zero_quantized_weights else "frozen" if z.zero_quantized_nontrainable_weights else "none"
+    keys = [k for k, on in (("zero_quantized_weights", z.zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", z.zero_quantized_nontrainable_weights),
+                            ("zero_quantized_gradients", z.zero_quantized_gradients),
+                            ("zero_hpz_partition_size", hpz > 1)) if on]
+    if keys and z.stage != 3:
+        raise ConfigError(f"zero_optimization.{keys[0]} is ZeRO++, which works on stage-3 collectives; set "
+                          f"zero_optimization.stage to 3 or remove {keys[0]}")
+    for key in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):
+        if getattr(z, key) not in (4, 8):
+            raise ConfigError(f"zero_optimization.{key} must be 8 or 4, not {getattr(z, key)}")
+    if z.zero_quantization_block_size % 2:
+        raise ConfigError(f"zero_optimization.zero_quantization_block_size must be even (int4 packs two values a "
+                          f"byte), not {z.zero_quantization_block_size}")
+    if hpz > 1 and mesh.shard_size % hpz:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} must divide the {mesh.shard_size} "
+                          f"data-parallel ranks stage 3 shards over")
+    return ZeroPlusPlan(weights=weights, weight_bits=int(z.zero_quantized_weights_bits),
+                        gradient_bits=int(z.zero_quantized_gradients_bits) if z.zero_quantized_gradients else 0,
+                        block=int(z.zero_quantization_block_size), hpz=hpz)
 
 
 def checkpointing_plan(cfg: ShardspeedConfig) -> CheckpointingPlan:

@@ -70,6 +70,27 @@ class MeshPlan:
 
 
 @dataclass(frozen=True)
+class ZeroPlusPlan:
+    """ZeRO++ at stage 3 (all off by default).
+
+    ``weights``: "all" (qwZ: every parameter all-gather carries ``weight_bits``-bit codes), "frozen" (only
+    units without trainable parameters), or "none". ``gradient_bits``: qgZ, the gradient reduction is an
+    all-to-all of codes summed in fp32 (0: a plain reduce-scatter). ``block``: values per fp32 scale.
+    ``hpz``: ranks of the secondary partition (hpZ): after a unit's forward its parameters stay split over
+    the ``hpz`` consecutive data ranks of a node, and backward gathers inside them (1: off)."""
+
+    weights: str = "none"
+    weight_bits: int = 8
+    gradient_bits: int = 0
+    block: int = 256
+    hpz: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none" or self.gradient_bits > 0 or self.hpz > 1
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """What ZeRO partitions, how gradients are reduced, and how stage 3 gathers.
 
@@ -97,6 +118,7 @@ class ShardingPlan:
     persistence_threshold: int
     max_live_parameters: int
     gather_16bit_weights_on_save: bool
+    zeropp: ZeroPlusPlan = ZeroPlusPlan()
 
 
 @dataclass(frozen=True)

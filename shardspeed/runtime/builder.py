@@ -12,11 +12,12 @@ import torch.nn as nn
 from ..autotune.probe import build_profile_window
 from ..checkpointing import configure_from_plan
 from ..comm.collectives import Collectives, CommsLogger
+from ..comm.quantize import BlockCodec
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
-from ..mesh.topology import Topology
+from ..mesh.topology import TOPOLOGIES, Topology
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
@@ -242,7 +243,10 @@ def _check_optimizer(cfg: ShardspeedConfig, optimizer) -> None:
 
 def _reduce_policy(plan: Plan) -> ReducePolicy:
     sh, pr = plan.sharding, plan.precision
-    return ReducePolicy(ReduceOp(sh.reduce_op), sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce, pr.predivide_factor)
+    zpp = sh.zeropp
+    codec = BlockCodec(zpp.gradient_bits, zpp.block) if zpp.gradient_bits else None
+    return ReducePolicy(ReduceOp(sh.reduce_op), sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce,
+                        pr.predivide_factor, grad_codec=codec)
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
@@ -255,8 +259,10 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         return timers("backward_allreduce")
 
     if sh.partition_parameters:
+        node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
-                                            placement=_shard_placement(plan.placement, topo.dp_rank))
+                                            placement=_shard_placement(plan.placement, topo.dp_rank),
+                                            secondary=Collectives.over(node, collectives.log) if node else None)
         reducer = GradientReducer(
             units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
             coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),

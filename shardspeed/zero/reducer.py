@@ -34,7 +34,9 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from ..comm.collectives import Collectives
+from ..comm.collectives import Collectives, CommHandle
+from ..comm.quantize import BlockCodec
+from ..comm.quantized import quantized_reduce_scatter
 from ..errors import ShardspeedError
 from ..plan.decide import reduce_op_for
 from .grad_records import SmallUnitGroup, UnitGrads, reduction_done
@@ -58,6 +60,8 @@ class ReducePolicy:
     accum_dtype: torch.dtype  # dtype of buckets and of the accumulated shard
     comm_dtype: torch.dtype  # dtype on the wire
     predivide_factor: float = 1.0  # divide by this before the reduce, by world/this after
+    #: ZeRO++'s qgZ: reduce-scatters become all-to-alls of these codes, summed in fp32 (the wire dtype is unused)
+    grad_codec: Optional[BlockCodec] = None
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
@@ -240,22 +244,25 @@ class GradientReducer:
         bucket = self._bucket(g)
         g.bucket, g.sending = None, bucket  # later gradients go into a fresh bucket, never into this one
         n = g.unit.layout.padded_numel
-        if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER:
+        if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and g.unit.comm is None:
             self._small.append(g)
             self._small_numel += n
             if self._small_numel >= self.coalesce_numel:
                 self._flush_small()
             return  # a larger unit may go first: every rank makes the same choices, so the sequence agrees
         pol = self.policy
-        wire = bucket if pol.comm_dtype == bucket.dtype else bucket.to(pol.comm_dtype)
+        wire = bucket if pol.comm_dtype == bucket.dtype or pol.grad_codec else bucket.to(pol.comm_dtype)
         if pol.predivide_factor != 1.0:
             wire.div_(pol.predivide_factor)
         g.wire = wire
+        # an expert unit is summed over its expert-data group, and averaged over the whole data group below
+        # (every rank's tokens reached some rank's experts), as DeepSpeed does
+        comm = g.unit.comm if g.unit.comm is not None else self.comm
         if pol.op is ReduceOp.ALL_REDUCE:
-            g.handle = self.comm.all_reduce(wire, async_op=pol.overlap)
+            g.handle = comm.all_reduce(wire, async_op=pol.overlap)
         else:
             lo, hi = g.unit.layout.chunk_range(g.unit.rank)
-            g.handle = self.comm.reduce_scatter(wire[lo:hi], wire, async_op=pol.overlap)
+            g.handle = self._reduce_scatter(wire[lo:hi], wire, comm)
         self._in_flight.append(g)
         self._bound_in_flight()
 
@@ -271,7 +278,8 @@ class GradientReducer:
         group, self._small, self._small_numel = self._small, [], 0
         world, rank = self.world, group[0].unit.rank
         sizes = [g.unit.layout.padded_numel // world for g in group]
-        wire = torch.empty(world, sum(sizes), dtype=self.policy.comm_dtype, device=group[0].unit.device)
+        dtype = group[0].sending.dtype if self.policy.grad_codec else self.policy.comm_dtype  # type: ignore[union-attr]
+        wire = torch.empty(world, sum(sizes), dtype=dtype, device=group[0].unit.device)
         offsets, off = [], 0
         for g, c in zip(group, sizes):
             assert g.sending is not None
@@ -282,9 +290,17 @@ class GradientReducer:
             off += c
         if self.policy.predivide_factor != 1.0:
             wire.div_(self.policy.predivide_factor)
-        handle = self.comm.reduce_scatter(wire[rank], wire.view(-1), async_op=self.policy.overlap)
+        handle = self._reduce_scatter(wire[rank], wire.view(-1))
         self._in_flight.append(SmallUnitGroup(group, offsets, sizes, wire, handle))
         self._bound_in_flight()
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                        comm: Optional[Collectives] = None) -> CommHandle:
+        comm = comm if comm is not None else self.comm
+        if self.policy.grad_codec is not None:
+            return quantized_reduce_scatter(comm, output, input, self.policy.grad_codec,
+                                            async_op=self.policy.overlap)
+        return comm.reduce_scatter(output, input, async_op=self.policy.overlap)
 
     def _make_room(self, numel: int) -> None:
         """Before a new full-size bucket of ``numel`` elements is filled: finish the reductions already done

@@ -22,6 +22,10 @@
   storage at once even though autograd saved views of it, and the same storage is re-filled before the
   unit's backward (:class:`~.unit.ShardedParamUnit`). Forward of micro-batch k+1 may therefore run before
   backward of micro-batch k (1F1B); each backward ends by itself (an autograd end-of-backward callback).
+- ZeRO++: with ``weight_codec`` (qwZ) the gathers of the chosen units carry block-quantized codes (the shards
+  and the fp32 masters stay exact); with ``secondary`` (hpZ) a unit released keeps this rank's part of it
+  within its node, and every later gather until the parameters change (the step, an edit) runs inside the
+  node from those parts, on the values the forward used.
 - :meth:`ParamManager.set_reshard_after_forward` keeps chosen units gathered across every forward and
   backward of a step (FSDP2's ``reshard_after_forward=False``), for pipeline stages.
 """
@@ -37,6 +41,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.collectives import Collectives
+from ..comm.quantize import BlockCodec
+from ..comm.quantized import QuantizedGather
 from ..errors import CheckpointError, DistributedError
 from .hooks import register_post_backward, watch_parameter_reads
 from .tags import unit_of
@@ -55,9 +61,15 @@ class ParamManager:
     """Gathers and releases stage-3 units around forward and backward; prefetches in traced order."""
 
     def __init__(self, units: Sequence[ShardedParamUnit], owners: Sequence[nn.Module], collectives: Collectives,
-                 *, prefetch_numel: int, persistence_numel: int, max_live_numel: int, root: nn.Module):
+                 *, prefetch_numel: int, persistence_numel: int, max_live_numel: int, root: nn.Module,
+                 weight_codec: Optional[BlockCodec] = None, quantize_frozen_only: bool = False,
+                 secondary: Optional[Collectives] = None):
         self.units = list(units)
         self.comm = collectives
+        # ZeRO++: qwZ's gather for the units it quantizes (all, or those without trainable parameters)
+        self._quantized = QuantizedGather(collectives, weight_codec) if weight_codec is not None else None
+        self._quantize = {u.index for u in self.units if not (quantize_frozen_only and u.grad_params)}
+        self._secondary = secondary if secondary is not None and secondary.world > 1 else None
         self.prefetch_numel = int(prefetch_numel)
         self.persistent = {u.index for u in self.units if u.numel < persistence_numel}
         self.max_live_numel = int(max_live_numel)
@@ -136,7 +148,9 @@ class ParamManager:
         if start:
             self._agree(start, needed)
         for i in start:
-            self.units[i].start_gather(self.comm)
+            comm = self._quantized if self._quantized is not None and i in self._quantize else self.comm
+            own = self.units[i].comm  # an expert unit: gathered over its expert-data group, exact
+            self.units[i].start_gather(own if own is not None else comm, self._secondary if own is None else None)
             self.gather_count += 1
 
     def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
@@ -227,6 +241,8 @@ class ParamManager:
     def _release(self, index: int) -> None:
         if index in self.persistent or index in self._keep:
             return
+        if self._secondary is not None:
+            self.units[index].keep_secondary(self._secondary.topology.dp_rank, self._secondary.world)
         self.units[index].release()
 
     def set_reshard_after_forward(self, reshard: bool, modules: Optional[Sequence[nn.Module]] = None) -> None:
@@ -364,6 +380,7 @@ class ParamManager:
 
     def shard_written(self, index: int) -> None:
         """Unit ``index``'s shard was rewritten (by ``GatheredParameters(modifier_rank=...)``)."""
+        self.units[index].drop_secondary()
         for listener in self._shard_listeners:
             listener(index)
 
@@ -420,6 +437,7 @@ class ParamManager:
                 u.finish_gather()
             self._refs[u.index] = 0
             u.release()
+            u.drop_secondary()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -2,12 +2,13 @@
 :class:`~shardspeed.zero.stage3.ParamManager` for a model (:func:`build_stage3_units`)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..comm.collectives import Collectives
+from ..comm.quantize import BlockCodec
 from .placement import DevicePlacement, ShardPlacement
 from .stage3 import ParamManager
 from .tags import init_shard_of, tag_unit
@@ -78,11 +79,15 @@ def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
 
 
 def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, rank: int,
-                       placement: Callable[[], ShardPlacement] = DevicePlacement):
+                       placement: Callable[[], ShardPlacement] = DevicePlacement,
+                       secondary: Optional[Collectives] = None, expert_comm: Optional[Collectives] = None,
+                       is_expert: Callable[[nn.Parameter], bool] = lambda p: False):
     """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
     ``placement()`` (device, host or file, as the builder decided). ``sharding``: the plan's
-    :class:`~shardspeed.plan.ShardingPlan` (prefetch bucket, persistence threshold, live parameters).
-    Returns (units, manager)."""
+    :class:`~shardspeed.plan.ShardingPlan` (prefetch bucket, persistence threshold, live parameters, ZeRO++).
+    ``secondary``: hpZ's collectives within this rank's node. ``expert_comm``: the expert-data group's
+    collectives, over which the parameters ``is_expert`` picks are sharded (in units of their own). Returns
+    (units, manager)."""
     all_params = list(dict.fromkeys(model.parameters()))
     total = sum(param_numel(p) for p in all_params)
     selected = select_units(model, unit_max_numel(total, sharding.prefetch_bucket))
@@ -92,12 +97,15 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
         # one flat buffer has one dtype; frozen and trainable parameters apart, so that every rank owns its
         # share of the trainable elements (a LoRA adapter after its frozen base weight would otherwise sit on
         # the last rank) and autograd's use of frozen weights is tracked on its own (see _post_backward)
-        by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
+        by_kind: Dict[Tuple[torch.dtype, bool, bool], List[nn.Parameter]] = {}
         for p in params:
-            by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
-        for plist in by_kind.values():
-            units.append(ShardedParamUnit(plist, world=collectives.world, rank=rank, index=len(units),
-                                          group=collectives.group, placement=placement()))
+            by_kind.setdefault((p.dtype, p.requires_grad, expert_comm is not None and is_expert(p)), []).append(p)
+        for (_, _, expert), plist in by_kind.items():
+            comm = expert_comm if expert and expert_comm is not None else collectives
+            units.append(ShardedParamUnit(plist, world=comm.world, rank=comm.topology.dp_rank, index=len(units),
+                                          group=comm.group, placement=placement()))
+            if expert:
+                units[-1].comm = comm
             owners.append(owner)
     manager = ParamManager(
         units, owners, collectives,
@@ -105,6 +113,8 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
         persistence_numel=int(sharding.persistence_threshold),
         max_live_numel=int(sharding.max_live_parameters),
         root=model,
+        weight_codec=_weight_codec(sharding.zeropp), quantize_frozen_only=sharding.zeropp.weights == "frozen",
+        secondary=secondary,
     )
     for u in units:
         for i, p in enumerate(u.params):
@@ -124,3 +134,8 @@ def small_unit_numel(units: Sequence[ShardedParamUnit]) -> int:
 def largest_unit_numel(units: Sequence[ShardedParamUnit]) -> int:
     """Stage 3's bound on gradient buckets alive at once, in elements: one largest trainable unit's worth."""
     return max((u.layout.padded_numel for u in units if u.grad_params), default=0)
+
+
+def _weight_codec(zeropp) -> Optional[BlockCodec]:
+    """qwZ's codec, from the plan's :class:`~shardspeed.plan.ZeroPlusPlan` (None: gathers stay exact)."""
+    return BlockCodec(zeropp.weight_bits, zeropp.block) if zeropp.weights != "none" else None

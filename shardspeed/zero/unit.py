@@ -18,7 +18,7 @@ from .placement import DevicePlacement, ShardPlacement
 from .tags import clear_init_shard, init_shard_of  # parameters built under zero.Init arrive already sliced
 
 if TYPE_CHECKING:
-    from shardspeed.comm.collectives import CommHandle
+    from shardspeed.comm.collectives import Collectives, CommHandle
 
 
 class UnitState(enum.Enum):
@@ -32,6 +32,11 @@ class FlatParamUnit:
     Creating a unit moves the parameters' data into the flat buffer: afterwards ``param.data`` is a view
     of ``full``; nothing else about the parameters changes (same objects, same ``requires_grad``).
     """
+
+    #: the collectives of the group this unit is sharded and reduced over when it is not the engine's data
+    #: group: an expert unit's expert-data group (its ``world`` and ``rank`` are that group's); None: the
+    #: reducer's and parameter manager's own
+    comm: Optional[Collectives] = None
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, index: int = 0, align: int = 1):
         if not params:
@@ -118,6 +123,7 @@ class ShardedParamUnit(FlatParamUnit):
         # (buffer, CommHandle, source) of an asynchronous gather in flight
         self._pending: Optional[Tuple[torch.Tensor, CommHandle, torch.Tensor]] = None
         self._buffer: Optional[torch.Tensor] = None  # the gathered storage, kept (freed/refilled) for life
+        self._secondary: Optional[torch.Tensor] = None  # hpZ: this rank's part of the unit within its node
         placement = placement if placement is not None else DevicePlacement()
         if not any(init_shard_of(p) is not None for p in params):
             super().__init__(params, world, rank, index, align)
@@ -174,14 +180,39 @@ class ShardedParamUnit(FlatParamUnit):
             storage.resize_(nbytes)
         return self._buffer
 
-    def start_gather(self, comm) -> None:
-        """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`."""
+    def start_gather(self, comm, secondary=None) -> None:
+        """Issue the all-gather (asynchronously); parameters become usable after :meth:`finish_gather`.
+
+        ``comm``: anything with ``Collectives.all_gather``'s signature (a quantizing one for ZeRO++'s qwZ).
+        ``secondary`` (hpZ): the collectives of this rank's node; while the unit holds a secondary part
+        (:meth:`keep_secondary`), the gather runs there, from it."""
         if self.state is UnitState.GATHERED or self._pending is not None:
             return
         self._check_untouched()
         full = self._gather_buffer()
+        if secondary is not None and self._secondary is not None:
+            self._pending = (full, secondary.all_gather(full, self._secondary, async_op=True), self._secondary)
+            return
         src = self.shard_on_device()  # offload_param: the host→device copy, kept alive until finish_gather
         self._pending = (full, comm.all_gather(full, src, async_op=True), src)
+
+    def keep_secondary(self, part: int, parts: int) -> None:
+        """hpZ: keep part ``part`` of ``parts`` of the gathered parameters (the values the forward used, so a
+        backward sees the same weights) until :meth:`drop_secondary`; no-op when not gathered or kept."""
+        if self.state is UnitState.GATHERED and self._secondary is None and self.full is not None:
+            self._secondary = self.full.view(parts, -1)[part].clone()
+
+    def write_shard(self, t: torch.Tensor, lo: int = 0) -> None:
+        super().write_shard(t, lo)
+        self._secondary = None  # the parameters changed
+
+    def drop_secondary(self) -> None:
+        """The parameters changed (an optimizer step, an edit): the secondary part is stale."""
+        self._secondary = None
+
+    @property
+    def secondary_numel(self) -> int:
+        return 0 if self._secondary is None else self._secondary.numel()
 
     def _check_untouched(self) -> None:
         """A sharded parameter whose ``.data`` was replaced was edited outside GatheredParameters."""
