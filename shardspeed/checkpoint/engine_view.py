@@ -20,6 +20,16 @@ from .slices import Spec, spec_of
 from .stateful import CheckpointParts
 
 
+def raise_agreed(errors: List[Optional[str]]) -> None:
+    """Raise one CheckpointError from every rank's error (None: that rank succeeded), if any rank failed:
+    called with an all-gather's result, every rank raises the same."""
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        if len(bad) == 1 or all(e == bad[0][1] for _, e in bad):
+            raise CheckpointError(bad[0][1])
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
 @dataclass
 class OwnedPiece:
     name: str  # the parameter's fully-qualified name (tied parameters: their first name)
@@ -151,12 +161,7 @@ class EngineView:
 
     def agree(self, error: Optional[str]) -> None:
         """Raise the same CheckpointError on every rank if any rank failed (so none waits in a collective)."""
-        errors = self.all_gather_object(error)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            if len(bad) == 1 or all(e == bad[0][1] for _, e in bad):
-                raise CheckpointError(bad[0][1])
-            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in bad))
+        raise_agreed(self.all_gather_object(error))
 
     # ---- what the model holds ---------------------------------------------------------------------
     def unit_params(self) -> List[Tuple[str, Tuple[int, ...], bool]]:

@@ -7,8 +7,8 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Tuple, Union
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -19,6 +19,15 @@ from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_s
 from .metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo, rank_file
 
 logger = logging.getLogger("shardspeed")
+
+
+class Coordination(Protocol):
+    """The collectives a save coordinates its ranks with: :class:`~.engine_view.EngineView`'s (the training
+    group) for a synchronous save, the checkpoint writer's own group for an asynchronous one."""
+
+    def all_gather_object(self, obj: Any) -> List[Any]: ...
+
+    def agree(self, error: Optional[str]) -> None: ...
 
 
 def _jsonable(v: Any) -> Any:
@@ -134,10 +143,17 @@ def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                    save_latest: bool = True) -> str:
-    """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path."""
+                    save_latest: bool = True, async_save: bool = False) -> str:
+    """Save the full training state under ``{save_dir}/{tag}``; every rank must call it. Returns the path.
+
+    ``async_save``: snapshot this rank's state to host memory, then write and commit it in a background
+    thread (:mod:`.async_save`); the path is returned before the checkpoint exists. Either way a save first
+    waits for an asynchronous one in flight and raises its error, on every rank."""
     t0 = time.perf_counter()
     view = EngineView(engine, "save_checkpoint")
+    saves = view.parts.async_saves
+    if saves is not None:
+        saves.wait(view.coord)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")
@@ -162,9 +178,14 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             tag, err = _check_tag(engine.config.checkpoint.tag_validation, view.rank, tag, tag0)
         view.agree(err)
         assert tmp is not None
-        return _save_into(view, engine, save_dir, tmp, tag, client_state, save_latest, t0)
+        job = RankSave(view.rank, save_dir, tmp, tag, save_latest, t0)
+        if not async_save:
+            return write_and_commit(job, view, lambda: collect(view, job, client_state))
+        if saves is None:
+            raise CheckpointError("internal error: async_save asked of an engine without an asynchronous saver")
+        return saves.start(view, job, client_state)
     except BaseException:
-        _remove_leftovers(view.rank, mine, tmp)
+        remove_leftovers(view.rank, mine, tmp)
         raise
 
 
@@ -180,7 +201,7 @@ def _check_tag(mode: str, rank: int, tag: str, tag0: str) -> Tuple[str, Optional
     return tag0, None
 
 
-def _remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> None:
+def remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> None:
     """After a failed save: rank 0 removes the temporary directory it made, every other rank the file it
     wrote there (in case rank 0 is gone). Only ``*.tmp-*`` paths: never a committed checkpoint (after the
     commit's rename the temporary name no longer exists, and removing it does nothing)."""
@@ -197,77 +218,116 @@ def _remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> Non
             pass
 
 
-def _save_into(view: EngineView, engine, save_dir: str, tmp: str, tag: str, client_state: Optional[dict],
-               save_latest: bool, t0: float) -> str:
+@dataclass
+class RankSave:
+    """One rank's part of one save: where it goes and, once :func:`collect` ran, what it writes (tensors:
+    the engine's own for a synchronous save, host copies for an asynchronous one) and what rank 0 needs."""
+
+    rank: int
+    save_dir: str
+    tmp: str
+    tag: str
+    save_latest: bool
+    t0: float
+    items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]] = field(default_factory=list)
+    entries: List[Entry] = field(default_factory=list)
+    rng_keys: List[str] = field(default_factory=list)
+    record: Dict[str, Any] = field(default_factory=dict)  # what every rank sends rank 0 (CRCs added on writing)
+    meta: Dict[str, Any] = field(default_factory=dict)  # rank 0: the CheckpointMetadata fields of the whole
+    common: bytes = b""  # rank 0: common.pt, serialised when collected (later changes do not reach it)
+
+    @property
+    def final(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+    def snapshot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.items)
+
+
+def collect(view: EngineView, job: RankSave, client_state: Optional[dict]) -> None:
+    """Fill ``job`` from the engine: this rank's tensors, entries, RNG state and (rank 0) the common state."""
+    items, entries, groups = _rank_items(view)
+    rng_state = view.parts.rng.state_dict()
+    rng_tensors = list(rng_state["tensors"].items())
+    job.items, job.entries, job.rng_keys = items + rng_tensors, entries, [k for k, _ in rng_tensors]
+    job.record = {"rank": view.rank, "file": rank_file(view.rank),
+                  "tensors": {n: asdict(t) for n, t in _tensor_table(view).items()}, "aliases": view.aliases,
+                  "groups": groups, "rng_py": rng_state["py"]}
+    if view.rank == 0:
+        buf = io.BytesIO()
+        torch.save({"client_state": dict(client_state or {}), **view.common_state()}, buf)
+        job.common = buf.getvalue()
+        job.meta = {"world_size": view.world, "zero_stage": view.zero_stage,
+                    "train_dtype": dtype_name(view.train_dtype), "optimizer": type(view.optimizer).__name__}
+
+
+def write_and_commit(job: RankSave, coord: Coordination, collect_now: Optional[Callable[[], None]] = None) -> str:
+    """Steps 2-4 of a save: this rank writes its file, rank 0 the metadata, rank 0 commits; ``coord``'s
+    collectives between them make every rank fail together rather than hang. ``collect_now``: fill
+    ``job`` first (a synchronous save reads the engine's tensors while writing them)."""
     # 2. every rank streams its own file
-    record: Dict[str, Any] = {"rank": view.rank}
+    record: Dict[str, Any] = {"rank": job.rank}
     try:
-        items, entries, groups = _rank_items(view)
-        rng_state = view.parts.rng.state_dict()
-        rng_tensors, rng_py = list(rng_state["tensors"].items()), rng_state["py"]
-        items += rng_tensors
-        written = write_safetensors(os.path.join(tmp, rank_file(view.rank)), items,
-                                    metadata={"format": "pt", "shardspeed_rank": str(view.rank)}, rank=view.rank)
-        for e in entries:
+        if collect_now is not None:
+            collect_now()
+        written = write_safetensors(os.path.join(job.tmp, rank_file(job.rank)), job.items,
+                                    metadata={"format": "pt", "shardspeed_rank": str(job.rank)}, rank=job.rank)
+        for e in job.entries:
             if e.file:
                 e.crc32 = written.tensor_crc32[e.key]
-        record.update(file=rank_file(view.rank), bytes=written.bytes, crc32=written.crc32,
-                      header_crc32=written.header_crc32,
-                      tensors={n: asdict(t) for n, t in _tensor_table(view).items()}, aliases=view.aliases,
-                      entries=[e.to_json() for e in entries], groups=groups,
-                      rng={"py": rng_py, "tensors": {k: written.tensor_crc32[k] for k, _ in rng_tensors}})
-        del items
+        rng_py = job.record.pop("rng_py")
+        record.update(job.record, bytes=written.bytes, crc32=written.crc32, header_crc32=written.header_crc32,
+                      entries=[e.to_json() for e in job.entries],
+                      rng={"py": rng_py, "tensors": {k: written.tensor_crc32[k] for k in job.rng_keys}})
     except Exception as exc:  # report and let every rank fail together rather than hang
-        record["error"] = f"rank {view.rank} could not write its checkpoint file: {type(exc).__name__}: {exc}"
-    maybe_crash("after_files", view.rank)
-    records = view.all_gather_object(record)
-    view.agree(next((r["error"] for r in records if r.get("error")), None))
+        record["error"] = f"rank {job.rank} could not write its checkpoint file: {type(exc).__name__}: {exc}"
+    job.items = []  # an asynchronous save's snapshot is freed here
+    maybe_crash("after_files", job.rank)
+    records = coord.all_gather_object(record)
+    coord.agree(next((r["error"] for r in records if r.get("error")), None))
 
     # 3. rank 0: common state, then metadata.json (its presence marks the directory complete)
     err = None
-    if view.rank == 0:
+    if job.rank == 0:
         try:
-            _write_rank0(view, engine, tmp, tag, records, client_state)
+            _write_rank0(job, records)
         except Exception as exc:
             err = f"rank 0 could not write the checkpoint metadata: {type(exc).__name__}: {exc}"
-    maybe_crash("after_metadata", view.rank)
-    view.agree(err)  # doubles as the barrier: every file is durable before the rename
+    maybe_crash("after_metadata", job.rank)
+    coord.agree(err)  # doubles as the barrier: every file is durable before the rename
 
-    # 4. rank 0 commits; the others wait so that the checkpoint exists when save_checkpoint returns
-    final = os.path.join(save_dir, tag)
+    # 4. rank 0 commits; the others wait so that the checkpoint exists when this returns
     err = None
-    if view.rank == 0:
+    if job.rank == 0:
         try:
-            commit(save_dir, tmp, tag, save_latest)
+            commit(job.save_dir, job.tmp, job.tag, job.save_latest)
         except OSError as exc:
-            err = f"could not commit checkpoint {tmp} as {final}: {exc}"
-    view.agree(err)
-    if view.rank == 0:
+            err = f"could not commit checkpoint {job.tmp} as {job.final}: {exc}"
+    coord.agree(err)
+    if job.rank == 0:
         total = sum(r["bytes"] for r in records)
-        logger.info("saved checkpoint %s (%.1f MB in %d files) in %.2fs", final, total / 2**20, len(records) + 2,
-                    time.perf_counter() - t0)
-    return final
+        logger.info("saved checkpoint %s (%.1f MB in %d files) in %.2fs", job.final, total / 2**20,
+                    len(records) + 2, time.perf_counter() - job.t0)
+    return job.final
 
 
-def _write_rank0(view: EngineView, engine, tmp: str, tag: str, records: List[dict], client_state) -> None:
-    common = {"client_state": dict(client_state or {}), **view.common_state()}
-    buf = io.BytesIO()
-    torch.save(common, buf)
-    data = buf.getvalue()
+def _write_rank0(job: RankSave, records: List[dict]) -> None:
     files = {r["file"]: FileInfo(r["rank"], r["bytes"], r["crc32"], r["header_crc32"]) for r in records}
-    files[COMMON_FILE] = FileInfo(0, len(data), write_file_synced(os.path.join(tmp, COMMON_FILE), data))
+    files[COMMON_FILE] = FileInfo(0, len(job.common), write_file_synced(os.path.join(job.tmp, COMMON_FILE),
+                                                                        job.common))
     groups: Dict[str, dict] = {}
     for r in records:
         for gi, hyper in r["groups"].items():
             groups.setdefault(str(gi), hyper)
+    m = job.meta
     meta = CheckpointMetadata(
-        tag=tag, world_size=view.world, zero_stage=view.zero_stage, train_dtype=dtype_name(view.train_dtype),
+        tag=job.tag, world_size=m["world_size"], zero_stage=m["zero_stage"], train_dtype=m["train_dtype"],
         tensors={n: TensorInfo(**t) for r in records for n, t in r["tensors"].items()},  # every stage's
         aliases={a: t for r in records for a, t in r["aliases"].items()},
         entries=[Entry.from_json(e) for r in records for e in r["entries"]], files=files,
-        optimizer={"class": type(view.optimizer).__name__, "param_groups": groups},
+        optimizer={"class": m["optimizer"], "param_groups": groups},
         rng={str(r["rank"]): r["rng"] for r in records},
     )
     meta.locate_entries()  # layer index and N-D slice of every entry (format version 2)
-    write_file_synced(os.path.join(tmp, METADATA_FILE), meta.to_json().encode())
-    fsync_dir(tmp)
+    write_file_synced(os.path.join(job.tmp, METADATA_FILE), meta.to_json().encode())
+    fsync_dir(job.tmp)

@@ -19,6 +19,7 @@ from . import rng
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..zero.master import MasterWeights
+    from .async_save import AsyncSaves
 
 
 @runtime_checkable
@@ -122,6 +123,9 @@ class CheckpointParts:
     #: a pipeline engine's whole world (every stage writes its own layers into one checkpoint): coordination
     #: and file numbering; None: the data-parallel group's ``collectives`` (the whole model on every rank)
     coordination: Optional[Collectives] = None
+    #: the engine's asynchronous saves (:class:`~shardspeed.checkpoint.async_save.AsyncSaves`): one in flight
+    #: at most, waited for by the next save, load and ``engine.destroy()``; None: saves are synchronous only
+    async_saves: Optional[AsyncSaves] = None
 
     @property
     def rank(self) -> int:

@@ -69,6 +69,10 @@ class CheckpointConfig(ConfigModel):
     use_node_local_storage: bool = field(False, "Each node writes to its own local storage.")
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig,
                                                 description="Parallel writing options.")
+    async_save: bool = field(False, "shardspeed: save_checkpoint's default for async_save: snapshot each rank's "
+                             "state to host memory (pinned on a GPU), then write and commit the checkpoint in a "
+                             "background thread while training goes on; the next save, load_checkpoint and "
+                             "engine.destroy() wait for it (docs/checkpoints.md).")
     checkpoint_serialization: bool = field(True, "DeepSpeed: torch.save serialization.", ignored=True)
     writer: Optional[Dict[str, Any]] = field(None, "DeepSpeed: fast checkpoint writer options.", ignored=True)
 

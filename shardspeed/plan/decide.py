@@ -22,6 +22,7 @@ from .types import (
     PlacementPlan,
     Plan,
     PrecisionPlan,
+    SavePlan,
     ShardingPlan,
     TensorParallelPlan,
     ZeroPlusPlan,
@@ -52,6 +53,7 @@ def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
         tensor_parallel=TensorParallelPlan(size=mesh.model, preset_model=cfg.tensor_parallel.preset_model,
                                            partition_config=cfg.tensor_parallel.partition_config,
                                            sequence_parallel=bool(cfg.tensor_parallel.sequence_parallel)),
+        save=SavePlan(async_save=bool(cfg.checkpoint.async_save)),
     )
 
 

@@ -201,6 +201,13 @@ class CheckpointingPlan:
 
 
 @dataclass(frozen=True)
+class SavePlan:
+    """Checkpoint saves: ``async_save`` is ``save_checkpoint``'s default (write and commit in the background)."""
+
+    async_save: bool = False
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """The pipeline schedule (meaningful when the mesh's pipe dimension is > 1 or the model is a pipeline)."""
 
@@ -231,3 +238,4 @@ class Plan:
     checkpointing: CheckpointingPlan
     pipeline: PipelinePlan
     tensor_parallel: TensorParallelPlan
+    save: SavePlan = SavePlan()

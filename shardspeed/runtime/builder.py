@@ -188,7 +188,7 @@ def build_engine(
         steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
         memory_breakdown=bool(cfg.memory_breakdown), param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
-        gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save,
+        gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save, async_save=plan.save.async_save,
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
 
+from ..checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from ..checkpoint.export import gathered_state_dict
+from ..checkpoint.stateful import CheckpointParts, LoaderPosition, RNGState, TrainingCounters, as_stateful
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
 from ..mesh.topology import Topology
@@ -21,9 +24,6 @@ from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
 from .parts import EngineParts, move_inputs, no_move_error
 from .reporting import StepReport, memory_breakdown
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..checkpoint.stateful import CheckpointParts
 
 logger = logging.getLogger("shardspeed")
 
@@ -399,31 +399,28 @@ class Engine(nn.Module):
     # ---- checkpoints (logic in shardspeed.checkpoint) -------------------------------------------------
     def checkpoint_parts(self) -> CheckpointParts:
         """The parts a checkpoint saves and restores, typed (see :mod:`shardspeed.checkpoint.stateful`)."""
-        from ..checkpoint.stateful import CheckpointParts, LoaderPosition, RNGState, TrainingCounters, as_stateful
-
         p = self._p
         counters = TrainingCounters(self)
         return CheckpointParts(
             module=self.module, master=p.master, collectives=p.collectives, zero_stage=p.zero_stage,
             train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
             loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
-            rng=RNGState(), param_manager=p.param_manager,
+            rng=RNGState(), param_manager=p.param_manager, async_saves=p.async_saves,
             gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=p.world_collectives,
         )
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> str:
-        """Save the full training state, sharded, under ``{save_dir}/{tag}`` (atomic); every rank calls it."""
-        from ..checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+                        save_latest: bool = True, async_save: Optional[bool] = None) -> str:
+        """Save the full training state, sharded, under ``{save_dir}/{tag}`` (atomic); every rank calls it.
+        ``async_save`` (None: ``checkpoint.async_save``): write and commit in the background (docs/checkpoints.md)."""
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               async_save=self._p.async_save if async_save is None else async_save)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``."""
-        from ..checkpoint import load_checkpoint
-
+        self.wait_checkpoint()
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
@@ -431,16 +428,20 @@ class Engine(nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the weights in the training dtype to ``save_dir/save_filename`` (.bin or .safetensors)."""
-        from ..checkpoint import save_16bit_model
-
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and raise its error on every rank (all call it)."""
+        self._p.async_saves.wait(self._p.world_collectives or self._p.collectives)
+
+    def destroy(self) -> None:
+        """End of training (DeepSpeed's name): :meth:`wait_checkpoint`. Call it before destroying process groups."""
+        self.wait_checkpoint()
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The module's full state dict in the training dtype, on the CPU, on rank 0; None on the other ranks
         (DeepSpeedEngine's method, which accelerate's ``get_state_dict`` and the Hugging Face Trainer call).
         Every rank must call it: at stage 3 the units are gathered one at a time. Works at every stage."""
-        from ..checkpoint.export import gathered_state_dict
-
         return gathered_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
     # ---- reporting (logic in .reporting and shardspeed.profiling) ----------------------------------------

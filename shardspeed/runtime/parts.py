@@ -1,12 +1,13 @@
 """What the builder hands the engine: :class:`EngineParts`, every part typed and built before the engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from ..checkpoint.async_save import AsyncSaves
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
 from ..mesh.topology import Topology
@@ -57,6 +58,8 @@ class EngineParts:
     #: tensor parallelism: the world's collectives, for checkpoints (every rank writes its own file into one
     #: checkpoint); None when the data group is the checkpoint's world
     world_collectives: Optional[Collectives] = None
+    async_save: bool = False  # checkpoint.async_save: save_checkpoint's default
+    async_saves: AsyncSaves = field(default_factory=AsyncSaves)  # the save in flight, its writer group
 
 
 def move_inputs(obj, device: torch.device, dtype: torch.dtype):
