@@ -34,7 +34,9 @@ def ds_config(system: str, micro_batch: int, dtype: str = "fp32") -> Dict[str, A
     """One DeepSpeed-format config, given unchanged to DeepSpeed and to shardspeed. Suffixes of the system's
     name: ``-off`` offloads (optimizer; parameters too at stage 3), ``-dsb`` keeps DeepSpeed's default bucket
     sizes (no bucket keys: reduce 5e8, prefetch 5e7, persistence 1e5 elements) instead of the suite's 2M,
-    ``-sync`` sets ``overlap_comm`` false (gradient reductions block instead of overlapping backward)."""
+    ``-sync`` sets ``overlap_comm`` false (gradient reductions block instead of overlapping backward); ZeRO++ at
+    stage 3: ``-qw`` quantized weight gathers, ``-qg`` / ``-qg4`` quantized gradients (int8 / int4), ``-hpzK`` a
+    secondary partition over K ranks."""
     stage = int(system[2])
     flags = set(system.split("-")[1:])
     zero: Dict[str, Any] = {"stage": stage, "overlap_comm": "sync" not in flags, "contiguous_gradients": True}
@@ -42,6 +44,12 @@ def ds_config(system: str, micro_batch: int, dtype: str = "fp32") -> Dict[str, A
         zero.update(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
         if stage == 3:
             zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=PERSIST)
+    zero.update({"zero_quantized_weights": True} if "qw" in flags else {})
+    zero.update({"zero_quantized_gradients": True} if flags & {"qg", "qg4"} else {})
+    zero.update({"zero_quantized_gradients_bits": 4} if "qg4" in flags else {})
+    for f in flags:
+        if f.startswith("hpz"):
+            zero["zero_hpz_partition_size"] = int(f[3:])
     if "off" in flags:
         zero["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:
