@@ -22,7 +22,7 @@ PKG = ROOT / "shardspeed"
 LAYERS = [
     {"errors"},
     {"config", "plan", "mesh", "comm", "precision", "optim", "monitor", "profiling", "data", "utils"},
-    {"zero", "offload", "parallel", "pipe", "checkpointing"},
+    {"zero", "offload", "parallel", "pipe", "checkpointing", "moe"},
     {"models"},  # built on the parts (tensor-parallel layers, PipelineModule); no part imports a model
     {"checkpoint", "estimate", "runtime", "autotune"},
     {"integrations", "cli", "bootstrap", "memory_estimate", "__init__"},

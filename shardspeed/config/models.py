@@ -34,13 +34,14 @@ from .precision import (
     check_precision,
     normalize_dtype_name,
 )
+from .expert import ExpertParallelConfig
 from .zero import ZeroConfig
 
 _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
 _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove the block"
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
-_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile", "expert_parallel",
+_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile",
                          "weight_quantization", "torch_autocast", "datastates")
 
 
@@ -109,6 +110,9 @@ class ShardspeedConfig(ConfigModel):
                                      "(`stages` sizes the mesh's pipe dimension).")
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig, description="Tensor "
                                                   "parallelism (`autotp_size` sizes the mesh's model dimension).")
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig, description="AutoEP: "
+                                                  "expert-parallel MoE blocks for Hugging Face models "
+                                                  "(`autoep_size` sizes the mesh's expert dimension).")
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig, description="Autotuning "
                                          "(`shardspeed autotune`) and a trial's profiling.")
     # Accepted for compatibility, not acted on.

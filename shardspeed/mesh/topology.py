@@ -19,6 +19,7 @@ Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.me
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -33,18 +34,19 @@ from .init import backend_options, group_timeout, local_device, new_group
 MESH_DIMS = ("pipe", "data", "model")
 
 
-def mesh_sizes(world: int, pipe: int = 1, model: int = 1, sequence: int = 1) -> Tuple[int, int, int]:
-    """``(pipe, data, model)`` for ``world`` ranks: data = world / (pipe × sequence × model), which must
-    divide."""
+def mesh_sizes(world: int, pipe: int = 1, model: int = 1, sequence: int = 1, expert: int = 1) -> Tuple[int, int, int]:
+    """``(pipe, data, model)`` for ``world`` ranks: data = world / (pipe × expert × sequence × model), which
+    must divide."""
     for name, value in (("pipeline.stages", pipe), ("tensor_parallel.autotp_size", model),
-                        ("sequence_parallel_size", sequence)):
+                        ("sequence_parallel_size", sequence), ("expert_parallel.autoep_size", expert)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if world % (pipe * model * sequence):
+    if world % (pipe * model * sequence * expert):
         seq = f" × sequence_parallel_size {sequence}" if sequence > 1 else ""
+        seq += f" × expert size {expert}" if expert > 1 else ""
         raise ConfigError(f"world {world} is not divisible by pipeline.stages {pipe} × "
-                          f"tensor_parallel.autotp_size {model}{seq} = {pipe * model * sequence}")
-    return pipe, world // (pipe * model * sequence), model
+                          f"tensor_parallel.autotp_size {model}{seq} = {pipe * model * sequence * expert}")
+    return pipe, world // (pipe * model * sequence * expert), model
 
 
 def mesh_ranks(pipe: int, data: int, model: int) -> List[List[List[int]]]:
@@ -90,6 +92,14 @@ class Topology:
     #: the data dimension alone, where ZeRO's group (dp_*) is data × sequence (sequence_size > 1)
     data_group: Optional[dist.ProcessGroup] = None
     data_rank: int = 0
+    #: the expert dimension (``expert_group``, ranks holding different experts) and the expert-data group: the
+    #: ranks holding this rank's experts (data × sequence), over which ZeRO reduces and shards expert
+    #: parameters; ZeRO's dp_* group is then data × expert (× sequence)
+    expert_rank: int = 0
+    expert_size: int = 1
+    expert_data_group: Optional[dist.ProcessGroup] = None
+    expert_data_rank: int = 0
+    expert_data_size: int = 1
 
     @property
     def batch_group(self) -> Optional[dist.ProcessGroup]:
@@ -118,7 +128,7 @@ class Topology:
 
     @classmethod
     def from_mesh(cls, pipe: int = 1, model: int = 1, registry: Optional[TopologyRegistry] = None,
-                  dims: Sequence[str] = MESH_DIMS, sequence: int = 1) -> Topology:
+                  dims: Sequence[str] = MESH_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
         """The ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
@@ -126,11 +136,11 @@ class Topology:
         with the same sizes in the same process group returns the first's Topology, groups and all (no new
         groups per engine): ``registry`` (default: the process's, :data:`TOPOLOGIES`) keeps them.
         """
-        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model, dims, sequence)
+        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model, dims, sequence, expert)
 
     @classmethod
     def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device,
-                   dims: Sequence[str] = MESH_DIMS, sequence: int = 1) -> Topology:
+                   dims: Sequence[str] = MESH_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
         """A new Topology of the ``(pipe, data, model)`` mesh ``sizes`` (new groups; collective); what
         :meth:`TopologyRegistry.mesh` builds once per mesh. ``dims``: the device mesh's dimensions, in the
         plan's order; the ones beyond pipe, data and model (expert, sequence) have size 1 (they leave every
@@ -139,7 +149,9 @@ class Topology:
         timeout (:func:`~shardspeed.mesh.init.group_timeout`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        known = dict(zip(MESH_DIMS, sizes), sequence=sequence)
+        known = dict(zip(MESH_DIMS, sizes), sequence=sequence, expert=expert)
+        if expert > 1 and "expert" not in dims:
+            raise ConfigError(f"an expert size of {expert} needs a mesh with an expert dimension, got {dims}")
         if sequence > 1 and "sequence" not in dims:
             raise ConfigError(f"sequence_parallel_size {sequence} needs a mesh with a sequence dimension, got {dims}")
         shape = tuple(known.get(n, 1) for n in dims)
@@ -161,14 +173,20 @@ class Topology:
         if sequence > 1:
             dp_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims)), desc="data_sequence")
             dp_rank = dist.get_rank(dp_group)
+        ed_group, ed_rank = dp_group, dp_rank  # the expert-data group: data × sequence
+        if expert > 1:
+            dp_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims), ("data", "expert", "sequence")),
+                                   desc="data_expert")
+            dp_rank = dist.get_rank(dp_group)
         return cls(
-            dp_group=dp_group, dp_rank=dp_rank, dp_size=d * sequence, device=device, mesh=mesh,
+            dp_group=dp_group, dp_rank=dp_rank, dp_size=d * sequence * expert, device=device, mesh=mesh,
             pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
             model_group=groups["model"], model_rank=ranks["model"], model_size=m,
             mp_group=mp_group, mp_rank=dist.get_rank(mp_group), mp_size=p * m,
             sequence_group=groups.get("sequence"), expert_group=groups.get("expert"), mesh_dims=tuple(dims),
             sequence_rank=ranks.get("sequence", 0), sequence_size=sequence, data_group=groups["data"],
-            data_rank=ranks["data"],
+            data_rank=ranks["data"], expert_rank=ranks.get("expert", 0), expert_size=expert,
+            expert_data_group=ed_group, expert_data_rank=ed_rank, expert_data_size=d * sequence,
         )
 
     @classmethod
@@ -237,19 +255,20 @@ class TopologyRegistry:
 
     def __init__(self) -> None:
         self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
-        self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device, Tuple[str, ...], int], Topology] = {}
+        self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device, Tuple[str, ...], int, int], Topology] = {}
         self._current: Optional[Topology] = None
         self._levels: Dict[Tuple[Tuple[int, ...], int], Optional[dist.ProcessGroup]] = {}  # node_group's
 
-    def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = MESH_DIMS, sequence: int = 1) -> Topology:
+    def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = MESH_DIMS, sequence: int = 1,
+             expert: int = 1) -> Topology:
         """The Topology of the ``(pipe, data, model)`` mesh of the world (times ``sequence``), its device mesh
         over ``dims`` (built on first use: collective)."""
-        sizes = mesh_sizes(dist.get_world_size(), pipe, model, sequence)
+        sizes = mesh_sizes(dist.get_world_size(), pipe, model, sequence, expert)
         device = local_device()
         self._forget_dead_groups()
-        key = (sizes, device, tuple(dims), sequence)
+        key = (sizes, device, tuple(dims), sequence, expert)
         if key not in self._meshes:
-            self._meshes[key] = Topology.build_mesh(sizes, device, dims, sequence)
+            self._meshes[key] = Topology.build_mesh(sizes, device, dims, sequence, expert)
         return self._meshes[key]
 
     def _forget_dead_groups(self) -> None:
@@ -360,12 +379,14 @@ def _node_group(dp_group: Optional[dist.ProcessGroup], size: int) -> Optional[di
     return _new_groups([list(b) for b in blocks], desc="data_node")
 
 
-def _shard_rank_lists(ranks: torch.Tensor, dims: List[str]) -> List[List[int]]:
-    """ZeRO's groups when the sequence dimension is > 1: the global ranks of each data × sequence plane of
-    the device mesh's rank tensor ``ranks`` (one list per coordinate of the other dimensions)."""
-    ds = [dims.index("data"), dims.index("sequence")]
+def _shard_rank_lists(ranks: torch.Tensor, dims: List[str],
+                      shard_dims: Sequence[str] = ("data", "sequence")) -> List[List[int]]:
+    """ZeRO's groups when the sequence (or expert) dimension is > 1: the global ranks of each plane of
+    ``shard_dims`` (those in ``dims``) of the device mesh's rank tensor ``ranks`` (one list per coordinate
+    of the other dimensions)."""
+    ds = [dims.index(d) for d in shard_dims if d in dims]
     rest = [i for i in range(len(dims)) if i not in ds]
-    planes = ranks.permute(*rest, *ds).reshape(-1, ranks.shape[ds[0]] * ranks.shape[ds[1]])
+    planes = ranks.permute(*rest, *ds).reshape(-1, math.prod(ranks.shape[i] for i in ds))
     return [sorted(int(r) for r in row) for row in planes.tolist()]
 
 

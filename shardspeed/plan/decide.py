@@ -76,7 +76,28 @@ def _mesh(cfg: ShardspeedConfig, world: int, facts: ModelFacts, given: Optional[
         raise ConfigError(f"pipeline.stages {pipe} needs a shardspeed.pipe.PipelineModule model; build it as "
                           f"PipelineModule(layers=..., num_stages={pipe}) or set pipeline.stages to 1")
     declared = ("sequence",) if "sequence_parallel_size" in cfg.model_fields_set else ()
-    return MeshPlan(pipe=pipe, data=world // (pipe * tp * seq), sequence=seq, model=tp, declared=declared)
+    ep = _expert_size(cfg, facts, world // (pipe * tp * seq))
+    return MeshPlan(pipe=pipe, data=world // (pipe * tp * seq * ep), expert=ep, sequence=seq, model=tp,
+                    declared=declared + (("expert",) if ep > 1 or facts.ep_size is not None else ()))
+
+
+def _expert_size(cfg: ShardspeedConfig, facts: ModelFacts, data_ranks: int) -> int:
+    """The mesh's expert dimension: the model's largest MoE ``ep_size``, else ``expert_parallel.autoep_size``
+    (when enabled); it divides the ranks that hold the same dense parameters (data × expert)."""
+    ep_cfg = cfg.expert_parallel
+    auto = int(ep_cfg.autoep_size) if ep_cfg.enabled else 1
+    if facts.ep_size is not None and facts.ep_size > 1 and auto > 1 and auto != facts.ep_size:
+        raise ConfigError(f"expert_parallel.autoep_size {auto} disagrees with the model's MoE layers (ep_size "
+                          f"{facts.ep_size}); make them equal or disable expert_parallel")
+    ep = max(facts.ep_size or 1, auto)
+    if data_ranks % ep:
+        key = "expert_parallel.autoep_size" if auto > 1 else f"MoE(ep_size={ep})"
+        raise ConfigError(f"{key} {ep} must divide the {data_ranks} data-parallel ranks (world / (pipeline.stages "
+                          f"× tensor_parallel.autotp_size × sequence_parallel_size))")
+    if ep > 1 and cfg.use_data_before_expert_parallelism:
+        raise ConfigError("use_data_before_expert_parallelism true (expert groups strided over the data ranks) is "
+                          "not supported; set it to false (expert-parallel ranks are neighbours)")
+    return ep
 
 
 def _pipe_size(cfg: ShardspeedConfig, facts: ModelFacts) -> int:

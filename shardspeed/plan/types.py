@@ -22,11 +22,13 @@ class ModelFacts:
 
     ``pipeline_stages``: a ``PipelineModule``'s ``num_stages`` (None: not a pipeline module).
     ``tp_size``: the ``tp_size`` that ``tp_model_init`` recorded on the model (None: not called).
-    ``built_sharded``: its parameters were built under ``shardspeed.zero.Init``."""
+    ``built_sharded``: its parameters were built under ``shardspeed.zero.Init``.
+    ``ep_size``: the largest ``ep_size`` of its ``shardspeed.moe.MoE`` layers (None: no MoE layer)."""
 
     pipeline_stages: Optional[int] = None
     tp_size: Optional[int] = None
     built_sharded: bool = False
+    ep_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,20 @@ class MeshPlan:
 
     @property
     def shard_size(self) -> int:
-        """Ranks ZeRO partitions over: those holding the same parameters (data × sequence)."""
+        """Ranks ZeRO partitions dense parameters over: those holding the same ones (data × expert × sequence)."""
+        return self.data * self.expert * self.sequence
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks ZeRO partitions expert parameters over: the expert-data group (data × sequence), the ranks
+        with this rank's expert coordinate, which hold the same experts."""
         return self.data * self.sequence
 
     @property
     def batch_world(self) -> int:
         """The data-parallel degree of the batch arithmetic (global = micro × accumulation × this): ZeRO's
-        ranks less the sequence dimension, whose ranks share each sample's sequence."""
+        ranks less the sequence dimension, whose ranks share each sample's sequence (expert ranks read
+        different samples)."""
         return self.shard_size // self.sequence
 
 

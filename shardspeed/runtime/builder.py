@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
 from ..mesh.topology import TOPOLOGIES, Topology
+from ..moe.utils import has_moe_layers, largest_ep_size
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
@@ -39,6 +40,7 @@ from ..zero.stage3_units import build_stage3_units, largest_unit_numel, small_un
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine
+from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
 from .parts import EngineParts
 from .pipeline_engine import PipelineEngine
 
@@ -154,7 +156,7 @@ def build_engine(
     cfg = load_config(parsed, world_size=plan.mesh.batch_world)
     _check_optimizer(cfg, optimizer)
     topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims,
-                                           sequence=plan.mesh.sequence)
+                                           sequence=plan.mesh.sequence, expert=plan.mesh.expert)
     comms_logger = build_comms_logger(cfg.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
@@ -162,19 +164,20 @@ def build_engine(
         pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
     configure_from_plan(plan.checkpointing, model, topo, comms_logger)
+    experts = prepare_experts(model, plan, topo, cfg.expert_parallel, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if plan.precision.compute != torch.float32:
         model.to(dtype=plan.precision.compute)
     tp_state, ties, groups = _model_parallel(plan, model, topo, comms_logger, pipe_plan, groups)
-    _broadcast_module_state(model, collectives)
+    broadcast_module_state(model, collectives, experts)
     comms_logger.reset()
 
     params, group_of = _trainable_in_grad_order(model, groups)
     if not params:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     timers = Timers(cfg.wall_clock_breakdown, topo.device)
-    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers)
+    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
     master = _master_weights(plan, units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer))
     if manager is not None:  # GatheredParameters' edits of a shard reach the masters
         manager.add_shard_listener(master.refresh_from_shard)
@@ -224,7 +227,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
     recorded = getattr(model, TP_ARGS_ATTR, None)
     return ModelFacts(pipeline_stages=model.num_stages if isinstance(model, PipelineModule) else None,
                       tp_size=int(recorded["tp_size"]) if recorded is not None else None,
-                      built_sharded=any(init_shard_of(p) is not None for p in model.parameters()))
+                      built_sharded=any(init_shard_of(p) is not None for p in model.parameters()),
+                      ep_size=largest_ep_size(model) if has_moe_layers(model)[0] else None)
 
 
 def _check_optimizer(cfg: ShardspeedConfig, optimizer) -> None:
@@ -250,7 +254,8 @@ def _reduce_policy(plan: Plan) -> ReducePolicy:
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
-                topo: Topology, timers: Timers) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
+                topo: Topology, timers: Timers, experts: Optional[ExpertParts] = None,
+                ) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
     """The flat units, their gradient reducer and (stage 3) the parameter manager, as the plan says."""
     sh = plan.sharding
     policy = _reduce_policy(plan)
@@ -262,7 +267,9 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank),
-                                            secondary=Collectives.over(node, collectives.log) if node else None)
+                                            secondary=Collectives.over(node, collectives.log) if node else None,
+                                            expert_comm=experts.comm if experts else None,
+                                            is_expert=experts.is_expert if experts else lambda p: False)
         reducer = GradientReducer(
             units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
             coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
@@ -270,7 +277,8 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
             on_unit_started=manager.on_unit_started)
         return list(units), reducer, manager
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
-    flat = _build_units(params, sh.reduce_bucket, sh.unit_world, topo.dp_rank if sh.unit_world > 1 else 0, alone)
+    flat = build_flat_units(params, _build_units, sh.reduce_bucket, sh.unit_world,
+                            topo.dp_rank if sh.unit_world > 1 else 0, alone, experts or ExpertParts())
     return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive,
                                  epilogue_timer=epilogue), None
 
@@ -398,16 +406,3 @@ def _dataloader(cfg, training_data, collate_fn, topo: Topology):
         return None
     return build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, topo, collate_fn=collate_fn,
                             drop_last=bool(getattr(cfg, "dataloader_drop_last", False)))
-
-
-@torch.no_grad()
-def _broadcast_module_state(model: nn.Module, collectives: Collectives) -> None:
-    """Every rank starts from rank 0's parameters and buffers (as DeepSpeed does)."""
-    if collectives.world == 1:
-        return
-    seen = set()
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in seen or t.numel() == 0:
-            continue
-        seen.add(id(t))
-        collectives.broadcast(t.data, 0)

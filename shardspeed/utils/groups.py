@@ -10,7 +10,7 @@ tensor-parallel group, as in DeepSpeed's module.
 """
 from __future__ import annotations
 
-from typing import ContextManager, List, Optional
+from typing import ContextManager, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -161,3 +161,64 @@ _get_sequence_parallel_world_size = get_sequence_parallel_world_size
 _get_sequence_data_parallel_group = get_sequence_data_parallel_group
 _get_sequence_data_parallel_rank = get_sequence_data_parallel_rank
 _get_sequence_data_parallel_world_size = get_sequence_data_parallel_world_size
+
+
+# ---- expert parallelism (DeepSpeed's MoE group getters; group names are "ep_size_N") --------------------
+def _expert_topology(group_name: Optional[str] = None) -> Topology:
+    topology = current_topology()
+    if group_name is not None and group_name != _get_max_expert_size_name():
+        raise ShardspeedError(f"shardspeed.utils.groups: no expert group {group_name!r}; the engine's mesh has "
+                              f"{_get_max_expert_size_name()!r} (one expert size per engine)")
+    return topology
+
+
+def _get_max_expert_size() -> int:
+    """The mesh's expert dimension (1: none)."""
+    topology = TOPOLOGIES.current()
+    return topology.expert_size if topology is not None else 1
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_expert_parallel_group(group_name: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """The ranks holding different experts of one layer (the mesh's expert dimension)."""
+    return _expert_topology(group_name).expert_group
+
+
+def _get_expert_parallel_world_size(group_name: Optional[str] = None) -> int:
+    return _expert_topology(group_name).expert_size
+
+
+def _get_expert_parallel_rank(group_name: Optional[str] = None) -> int:
+    return _expert_topology(group_name).expert_rank
+
+
+def _get_expert_data_parallel_group(group_name: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """The ranks holding the same experts (expert parameters are reduced and sharded over it)."""
+    topology = _expert_topology(group_name)
+    return topology.expert_data_group if topology.expert_size > 1 else topology.dp_group
+
+
+def _get_expert_data_parallel_world_size(group_name: Optional[str] = None) -> int:
+    topology = _expert_topology(group_name)
+    return topology.expert_data_size if topology.expert_size > 1 else topology.dp_size
+
+
+def _get_expert_data_parallel_rank(group_name: Optional[str] = None) -> int:
+    topology = _expert_topology(group_name)
+    return topology.expert_data_rank if topology.expert_size > 1 else topology.dp_rank
+
+
+def _get_expert_parallel_group_dict() -> Dict[str, Optional[dist.ProcessGroup]]:
+    return {_get_max_expert_size_name(): _get_expert_parallel_group()}
+
+
+def _get_expert_data_parallel_group_dict() -> Dict[str, Optional[dist.ProcessGroup]]:
+    return {_get_max_expert_size_name(): _get_expert_data_parallel_group()}
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """Tensor parallelism inside experts: none (1)."""
+    return 1

@@ -60,7 +60,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
         ctx._flush()  # a live whole copy of one of them goes back into its shard first
     already = [u.state is UnitState.GATHERED for u, _ in units]
     for unit, manager in units:
-        unit.gather(manager.comm)
+        unit.gather(unit.comm if unit.comm is not None else manager.comm)  # expert units: their expert-data group
     saved = []
     for p in loose:
         saved.append(p.data)
@@ -73,8 +73,8 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
         yield
     finally:
         for (unit, manager), was_gathered in zip(units, already):
-            if modifier_rank is not None:
-                manager.comm.broadcast(unit.full, modifier_rank)
+            if modifier_rank is not None:  # (an expert unit: that rank of its expert-data group)
+                (unit.comm if unit.comm is not None else manager.comm).broadcast(unit.full, modifier_rank)
                 unit.write_shard(unit.full[slice(*unit.layout.chunk_range(unit.rank))])
                 manager.shard_written(unit.index)
             if not was_gathered:

@@ -161,18 +161,27 @@ class MasterWeights:
         pieces another model-parallel rank counts, summed in fp32 over the data group when sharded, then over
         the model-parallel group (pipe × model) when there is one. A sync point."""
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].device if self.units else "cpu")
-        for g, ranges in zip(grads, self.norm_ranges):
+        # expert units whole on every rank (stage 0): their sum over the data group counts each expert once per
+        # rank of its expert-data group; sharded, each rank holds distinct chunks and the sum counts them once
+        sq_expert, expert_world = torch.zeros_like(sq), 1
+        for u, g, ranges in zip(self.units, grads, self.norm_ranges):
             if g is None:
                 continue
+            acc = sq
+            if u.comm is not None and not self.sharded:
+                acc, expert_world = sq_expert, u.comm.world
             g = g if g.dtype == torch.float32 else g.float()
             if ranges is None:
-                sq += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
+                acc += torch.dot(g, g).to(sq.device) if g.dim() == 1 else g.pow(2).sum().to(sq.device)
                 continue
             flat = g.reshape(-1)
             for start, end in ranges:  # views, no copy of the chunk
-                sq += torch.dot(flat[start:end], flat[start:end]).to(sq.device)
+                acc += torch.dot(flat[start:end], flat[start:end]).to(sq.device)
         if self.sharded:
             self.comm.all_reduce(sq)
+        elif any(u.comm is not None for u in self.units):
+            self.comm.all_reduce(sq_expert)
+            sq += sq_expert / expert_world
         self.comm.all_reduce_model_parallel(sq)
         return sq.sqrt()
 
@@ -202,7 +211,8 @@ class MasterWeights:
                 self.optimizer.step()
                 self._detach_grads(ui)
                 self._write_back(ui)
-                handles.append(self.comm.all_gather(_full(self.units[ui]), self.units[ui].shard, async_op=True))
+                handles.append(self._comm_of(ui).all_gather(_full(self.units[ui]), self.units[ui].shard,
+                                                            async_op=True))
             for h in handles:
                 h.wait()
         else:
@@ -213,6 +223,11 @@ class MasterWeights:
                 self._detach_grads(ui)
             self.sync_params_from_masters()
         return StepResult(False, norm)
+
+    def _comm_of(self, ui: int) -> Collectives:
+        """The collectives unit ``ui`` is sharded over (an expert unit's expert-data group, else the data group)."""
+        own = self.units[ui].comm
+        return own if own is not None else self.comm
 
     def _attach_grads(self, ui: int, g: Optional[torch.Tensor], coef: float) -> None:
         views = self.piece_tensors[ui]
@@ -251,7 +266,7 @@ class MasterWeights:
     def _gather_units(self) -> None:
         """Stages 1-2: all-gather every unit's full buffer from the updated chunks."""
         if self.gather_after_step:
-            handles = [self.comm.all_gather(_full(u), u.shard, async_op=True) for u in self.units]
+            handles = [self._comm_of(i).all_gather(_full(u), u.shard, async_op=True) for i, u in enumerate(self.units)]
             for h in handles:
                 h.wait()
 

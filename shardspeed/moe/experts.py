@@ -1,0 +1,148 @@
+"""A rank's local experts as stacked parameters, computed in one batched call.
+
+DeepSpeed's ``Experts`` deep-copies the expert module once per local expert and runs them in a Python loop.
+Here each parameter of the expert is stacked over the local experts (``[num_local, *shape]``), registered
+under the expert's own module path (``deepspeed_experts.fc1.weight``), and the experts run as one call:
+``torch.func.vmap`` over ``functional_call`` of the expert module, which turns an ``nn.Linear``-MLP into
+batched matmuls over the experts (a padded ``bmm``: every expert gets the same ``capacity`` slots). An
+expert that vmap cannot batch (data-dependent control flow, ``.item()``, random ops) runs in a loop over
+the stacked slices instead; :attr:`Experts.compute_path` says which ("vmap" or "loop"), decided at the
+first forward by one trial on the real inputs (under a forked RNG, so the trial draws nothing).
+
+Every local expert starts as a copy of the expert given (as DeepSpeed's deep copies do). The stacked
+parameters carry DeepSpeed's tags (``allreduce = False``, ``group_name = "ep_size_N"``), so
+``is_moe_param`` and ``split_params_into_different_moe_groups_for_optimizer`` see them, and ZeRO reduces
+and shards them over the expert-data group.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.func import functional_call, vmap
+
+from ..parallel.tp.slicing import TPSlice
+
+
+class _Holder(nn.Module):
+    """A module that only holds parameters (the stacked expert's mirror of the expert's module tree)."""
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise RuntimeError("the stacked expert parameters are computed by Experts.forward")
+
+
+def tag_expert_param(p: nn.Parameter, group_name: str) -> None:
+    """DeepSpeed's tags of an expert parameter: reduced over its expert-data group, not the data group."""
+    p.allreduce = False  # type: ignore[attr-defined]
+    p.group_name = group_name  # type: ignore[attr-defined]
+
+
+def mark_expert_slice(p: nn.Parameter, ep_rank: int, ep_size: int) -> None:
+    """``p`` (``[num_local, ...]``) is rows ``[ep_rank × num_local, (ep_rank + 1) × num_local)`` of the layer's
+    ``[num_experts, ...]`` stack: checkpoints key it by global expert id and reshard it to another EP size."""
+    full = (p.shape[0] * ep_size, *p.shape[1:])
+    p.tp_slice = TPSlice(full_shape=tuple(int(s) for s in full), dim=0, blocks=1,  # type: ignore[attr-defined]
+                         rank=ep_rank, size=ep_size)
+
+
+class Experts(nn.Module):
+    """``num_local_experts`` copies of ``expert``, stacked; ``forward([groups, num_local, tokens, d])``."""
+
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: Optional[str] = None):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.expert_group_name = expert_group_name or "ep_size_1"
+        template = copy.deepcopy(expert)
+        names = [n for n, _ in template.named_parameters()]
+        holder = _Holder()
+        for name in names:
+            src = template.get_parameter(name)
+            stacked = nn.Parameter(src.detach().unsqueeze(0).repeat(num_local_experts, *([1] * src.dim())),
+                                   requires_grad=src.requires_grad)
+            tag_expert_param(stacked, self.expert_group_name)
+            _register(holder, name, stacked)
+        self.deepspeed_experts = holder
+        self._names = names
+        # the expert's code, outside the module tree (its parameters are the stacked ones above, passed in)
+        for mod in template.modules():  # its own copies are not needed: meta placeholders (buffers stay)
+            for pname, prm in list(mod._parameters.items()):
+                if prm is not None:
+                    mod._parameters[pname] = nn.Parameter(torch.empty_like(prm, device="meta"), prm.requires_grad)
+        self._template: Tuple[nn.Module, ...] = (template,)
+        self.compute_path: Optional[str] = None
+
+    def stacked(self) -> Dict[str, Tensor]:
+        """The stacked parameters by the expert's parameter names (read here: ZeRO-3 gathers them)."""
+        return {n: self.deepspeed_experts.get_parameter(n) for n in self._names}
+
+    def set_expert_slice(self, ep_rank: int, ep_size: int) -> None:
+        for p in self.deepspeed_experts.parameters():
+            mark_expert_slice(p, ep_rank, ep_size)
+
+    def _one(self, params: Dict[str, Tensor], x: Tensor) -> Tensor:
+        out = functional_call(self._template[0], params, (x,), strict=False)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _vmapped(self, params: Dict[str, Tensor], x: Tensor) -> Tensor:
+        return vmap(self._one, in_dims=(0, 0))(params, x)
+
+    def _looped(self, params: Dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.stack([self._one({n: t[i] for n, t in params.items()}, x[i])
+                            for i in range(self.num_local_experts)])
+
+    def _choose_path(self, params: Dict[str, Tensor], x: Tensor) -> str:
+        devices: List[torch.device] = [x.device] if x.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                self._vmapped(params, x)
+        except Exception:  # noqa: BLE001 - any failure of vmap on this expert means: run it in a loop
+            return "loop"
+        return "vmap"
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """``inputs``: ``[groups, num_local, tokens, d]`` (groups: the ranks the tokens came from); the same
+        shape back with the experts' output dimension."""
+        g, e, c, d = inputs.shape
+        x = inputs.transpose(0, 1).reshape(e, g * c, d)
+        params = self.stacked()
+        if self.compute_path is None:
+            self.compute_path = self._choose_path(params, x)
+        y = self._vmapped(params, x) if self.compute_path == "vmap" else self._looped(params, x)
+        return y.reshape(e, g, c, -1).transpose(0, 1)
+
+
+def _register(root: nn.Module, dotted: str, p: nn.Parameter) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, _Holder())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, p)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: List[int]) -> Tensor:
+    """Rows of ``x`` (``[sum(counts), k]``, grouped by expert) times their expert's ``w`` (``[e, k, n]``):
+    one ``torch._grouped_mm`` where the build has it for these dtypes, else a padded ``bmm`` (each group
+    padded to the largest). Returns ``[sum(counts), n]``."""
+    if hasattr(torch, "_grouped_mm") and x.dtype == torch.float32 and w.dtype == torch.float32 and x.numel():
+        offs = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+        out = torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+        if out.requires_grad:  # its CPU backward needs a dense gradient (an expanded one has zero strides)
+            out.register_hook(lambda g: g.contiguous())
+        return out
+    return padded_bmm(x, w, counts)
+
+
+def padded_bmm(x: Tensor, w: Tensor, counts: List[int]) -> Tensor:
+    """:func:`grouped_mm` as one ``bmm`` over groups padded to the largest count."""
+    e, width = len(counts), max(counts) if counts else 0
+    if width == 0:
+        return x.new_zeros(0, w.shape[-1]) + 0 * w.sum()
+    rows = torch.cat([torch.arange(n, device=x.device) + i * width for i, n in enumerate(counts)])
+    padded = x.new_zeros(e * width, x.shape[-1]).index_copy(0, rows, x)
+    out = torch.bmm(padded.view(e, width, -1), w)
+    return out.reshape(e * width, -1).index_select(0, rows)

@@ -1,0 +1,130 @@
+"""shardspeed.moe against DeepSpeed's MoE and against a one-process reference (tests/moe_models.py).
+
+Per group of processes several cases: world 2 (EP 2; EP 1 × DP 2), world 4 (EP 4; EP 2 × DP 2), top-1 and
+top-2, capacities that drop tokens and that do not, ZeRO 0-3 (DeepSpeed's MoE runs at ZeRO 0-2 only). Losses
+agree within 1e-5 (fp32); the gradient norm counts every parameter once.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.moe_models import MoENet, RefMoENet, expert_weights, load_experts
+
+E, STEPS, B, T = 4, 3, 2, 8
+
+CASES: List[Tuple[str, Dict[str, Any]]] = [
+    ("top1-rts-drop", dict(k=1, capacity_factor=1.0)),
+    ("top1-nodrop", dict(k=1, drop_tokens=False, use_rts=False)),
+    ("top2-sample-drop", dict(k=2, capacity_factor=0.5)),
+    ("top2-nodrop", dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False)),
+]
+
+
+def _config(stage: int, clip: float = 0.0) -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}}
+
+
+def _data(world: int) -> List[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(3)
+    return [([torch.randn(B, T, 8, generator=g) for _ in range(world)],
+             [torch.randn(B, T, 8, generator=g) for _ in range(world)]) for _ in range(STEPS)]
+
+
+def _net(moe_cls, ep: int, ep_rank: int, kw: Dict[str, Any]) -> MoENet:
+    torch.manual_seed(0)
+    net = MoENet(moe_cls, E, ep, min_capacity=4, **kw)
+    load_experts(net, expert_weights(E), ep_rank)
+    return net
+
+
+def _train(initialize, moe_cls, split, ep: int, stage: int, kw: Dict[str, Any], clip: float = 0.0):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = _net(moe_cls, ep, rank % ep, kw)
+    start = {n: t.detach().clone() for n, t in net.state_dict().items()}
+    groups = split({"params": list(net.parameters()), "name": "dense"})
+    engine, *_ = initialize(model=net, config=_config(stage, clip), model_parameters=groups)
+    torch.manual_seed(100)  # every rank's gating draws the same numbers (as the reference's chunks)
+    losses, norms = [], []
+    for xs, ys in _data(world):
+        loss = engine(xs[rank], ys[rank])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        norms.append(float(engine.get_global_grad_norm() or 0.0))
+    return losses, norms, start
+
+
+def _reference(start, kw: Dict[str, Any], world: int, clip: float = 0.0):
+    ref = RefMoENet(start, expert_weights(E), **{k: v for k, v in kw.items()})
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    torch.manual_seed(100)
+    losses, norms = [], []
+    for xs, ys in _data(world):
+        opt.zero_grad()
+        loss = ref.step_loss(xs, ys)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip > 0 else 1e9)))
+        opt.step()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def _groups(ep: int, stages, cases, deepspeed_too: bool):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import shardspeed
+    from shardspeed.moe.layer import MoE
+    from shardspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    ds = None
+    if deepspeed_too:
+        import deepspeed
+
+        if not deepspeed.comm.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo")
+        ds = deepspeed
+    out: Dict[str, Any] = {}
+    for name, kw in cases:
+        for stage in stages:
+            losses, norms, start = _train(shardspeed.initialize, MoE, split, ep, stage, kw)
+            out[f"ours/{name}/{stage}"] = (losses, norms)
+            out[f"start/{name}"] = start
+            if ds is not None and stage <= 2:
+                from deepspeed.moe.layer import MoE as DSMoE
+                from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as ds_split
+
+                out[f"ds/{name}/{stage}"] = _train(ds.initialize, DSMoE, ds_split, ep, stage, kw)[:2]
+    return out
+
+
+def _check(results, world: int, cases, stages, deepspeed_too: bool) -> None:
+    r0 = results[0]
+    for name, kw in cases:
+        ref_losses, ref_norms = _reference(r0[f"start/{name}"], kw, world)
+        for stage in stages:
+            losses, norms = r0[f"ours/{name}/{stage}"]
+            assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (name, stage)
+            assert norms == pytest.approx(ref_norms, rel=1e-4), (name, stage)
+            if deepspeed_too and stage <= 2:
+                ds_losses, _ = r0[f"ds/{name}/{stage}"]
+                assert losses == pytest.approx(ds_losses, rel=1e-5, abs=1e-6), (name, stage, "deepspeed")
+
+
+@pytest.fixture(scope="module")
+def world2():
+    pytest.importorskip("deepspeed")
+    return run_distributed(_groups, 2, 2, (0, 1, 2, 3), CASES, True, timeout=400)
+
+
+def test_ep2_world2_against_deepspeed_and_reference(world2):
+    _check(world2, 2, CASES, (0, 1, 2, 3), True)
