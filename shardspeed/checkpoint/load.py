@@ -208,20 +208,31 @@ def _read_common(path: str, meta: CheckpointMetadata) -> Dict[str, Any]:
     return common
 
 
+def _open(view: EngineView, load_dir: str, tag: str,
+          verify: bool) -> Tuple[str, CheckpointMetadata, ShardReader, Dict[str, Any]]:
+    """(path, metadata, reader, common state) of checkpoint ``tag``: ours, or DeepSpeed's (its ZeRO 0-3
+    layouts and its universal one), presented as ours (:mod:`.deepspeed_layout`)."""
+    from .deepspeed_layout import open_deepspeed
+
+    ds = open_deepspeed(load_dir, tag, trainable=[n for n, _, trained in view.unit_params() if trained])
+    if ds is not None:
+        return ds.path, ds.meta, ds.reader, ds.common
+    path = resolve(load_dir, tag)
+    meta = CheckpointMetadata.read(path)
+    meta.check_files(path)
+    return path, meta, ShardReader(path, verify=verify, header_crc32=meta.header_crc32()), _read_common(path, meta)
+
+
 def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimizer: bool, module_only: bool,
             verify: bool) -> _Verified:
     """Check everything this rank's load will use, changing nothing: the metadata (its checksum), the file
     sizes, every safetensors header it reads (CRC), ``common.pt`` (CRC), names and shapes, the optimizer
     class, that every range is covered, and (``verify``) the CRC of every tensor it will read."""
-    path = resolve(load_dir, tag)
-    meta = CheckpointMetadata.read(path)
-    meta.check_files(path)
-    reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
+    path, meta, reader, common = _open(view, load_dir, tag, verify)
     index = EntryIndex(meta.entries, meta.shapes)
     present = _check_names(view, meta, strict)
     if with_optimizer:
         _check_optimizer_class(view, meta)
-    common = _read_common(path, meta)
     needed: Dict[Tuple[str, str], Optional[int]] = {}
 
     def need_range(name: str, state: str, start: int, end: int) -> None:

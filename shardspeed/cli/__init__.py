@@ -3,6 +3,8 @@ checkpoint to fp32 safetensors: :mod:`shardspeed.checkpoint.consolidate`), ``plo
 loss, LR and throughput into a PNG: :mod:`shardspeed.monitor.csv_plot`), ``autotune`` (search the config:
 :mod:`shardspeed.autotune`; also ``shardspeed run --autotuning tune|run``, DeepSpeed's flag).
 
+``convert`` (DeepSpeed's checkpoints to ours and back: :mod:`.convert`).
+
 ``shardspeed run [--nproc N] [torchrun options] script.py [script args]`` is a thin wrapper over
 torchrun: it builds the argv of ``torch.distributed.run`` and calls its ``main``. Every torchrun option
 passes through unchanged; ``--nproc`` is short for ``--nproc-per-node``, and a single-node job with no
@@ -11,7 +13,7 @@ do not collide on torchrun's default port 29500). See :mod:`.run` for restarts, 
 ``--full-tracebacks``.
 
 One module per subcommand, each registering its own arguments (``add_parser``): :mod:`.run`, :mod:`.env`,
-:mod:`.estimate`, :mod:`.consolidate`, :mod:`.plot`, :mod:`.autotune`; :mod:`.args` holds the command line
+:mod:`.estimate`, :mod:`.consolidate`, :mod:`.convert`, :mod:`.plot`, :mod:`.autotune`; :mod:`.args` holds the command line
 ``run`` and ``autotune`` share (torchrun's options, :func:`build_torchrun_argv`). This module dispatches:
 ``run`` and ``autotune`` before argparse (their arguments are torchrun's and the script's), and
 ``run --autotuning run`` through the tuner and then ``run`` again with the winner's arguments.
@@ -23,7 +25,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import autotune, consolidate, env, estimate, plot, run
+from . import autotune, consolidate, convert, env, estimate, plot, run
 from .args import UsageError, build_torchrun_argv
 from .estimate import parse_count
 from .run import _wrap_in_bootstrap as _wrap_in_bootstrap  # tests call it from here
@@ -55,8 +57,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate,plot}")
-    for command in (run, env, estimate, consolidate, plot, autotune):
+    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate,convert,plot}")
+    for command in (run, env, estimate, consolidate, convert, plot, autotune):
         command.add_parser(sub)
     return parser
 

@@ -1,0 +1,255 @@
+"""DeepSpeed's checkpoints load into shardspeed and continue the run; ours convert to DeepSpeed's layout and
+DeepSpeed continues them (DeepSpeed 0.19.8 as the oracle, gloo, ``DS_ACCELERATOR=cpu``; skipped without it).
+
+World 2: DeepSpeed trains ``N`` steps of the tiny MLP, saves at ZeRO s and goes on for ``M`` steps (its
+uninterrupted run); shardspeed at ZeRO t, built from another seed, loads the checkpoint and trains the same
+``M`` steps: the losses equal DeepSpeed's to 1e-6 for every s and t in 0-3 (fp32), and for bf16 (saved at
+ZeRO 1) and fp16 (ZeRO 2; DeepSpeed refuses fp16 on its CPU accelerator, so the test lets it: its ZeRO
+path runs on CPU tensors) at a looser 1e-3. DeepSpeed's universal layout (``ds_to_universal``) loads the
+same way. Round trip: shardspeed saves, ``shardspeed convert`` writes DeepSpeed's layout for world 2 at
+ZeRO t, and DeepSpeed continues with the losses shardspeed's own run has. World 4: the world-2 checkpoints
+load at another world size and stage, and the parameters and Adam moments then saved equal DeepSpeed's
+own (gathered with its ``safe_get_full_*`` API) exactly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from distributed import run_distributed
+from models import make_batches, make_model, micro_batch
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+N, M = 2, 3
+FP32_TOL, LOW_TOL = 1e-6, 1e-3
+WORLD4_CASES = [(0, 1), (1, 2), (2, 3), (3, 0)]  # (DeepSpeed's stage at world 2, ours at world 4)
+
+
+def _config(stage: int, dtype: str = "fp32") -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _train(engine, batches) -> List[float]:
+    """Each step's global mean loss (world × 2 samples per step)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = next(engine.module.parameters()).dtype
+    out = []
+    for b in batches:
+        x, y = micro_batch(b, rank, world, 0, 1)
+        loss = engine(x.to(dtype), y.to(dtype))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        out.append(float(total) / world)
+    return out
+
+
+def _deepspeed():
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True  # its ZeRO fp16 path runs on CPU tensors
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")  # over the group the harness created
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def _ds_state(engine, stage: int) -> Dict[str, List[torch.Tensor]]:
+    """DeepSpeed's full fp32 parameters and Adam moments, by its own API."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if stage == 0:
+            st = engine.optimizer.state[p]
+            out[name] = [p.detach().float().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()]
+        else:
+            out[name] = [safe_get_full_fp32_param(p).clone()] + [
+                safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+def _ds_run(ds, base: str, stage: int, dtype: str, batches) -> Dict[str, Any]:
+    model = make_model("mlp")
+    engine, *_ = ds.initialize(model=model, config=_config(stage, dtype), model_parameters=list(model.parameters()))
+    _train(engine, batches[:N])
+    engine.save_checkpoint(f"{base}/ds{stage}{dtype}", client_state={"marker": stage})
+    state = _ds_state(engine, stage) if dtype == "fp32" else None
+    return {"losses": _train(engine, batches[N:]), "state": state}
+
+
+def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None) -> Dict[str, Any]:
+    import shardspeed
+
+    engine, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(stage, dtype))
+    _, client = engine.load_checkpoint(load_dir, tag=tag)
+    steps = engine.global_steps
+    return {"losses": _train(engine, batches[N:]), "client": client, "steps": steps}
+
+
+def _round_trip(ds, base: str, stage: int, batches) -> Dict[str, List[float]]:
+    """Ours trains and saves; convert writes DeepSpeed's layout at ``stage``; both continue."""
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.checkpoint.deepspeed_layout.export import export_deepspeed
+
+    engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_config(stage))
+    _train(engine, batches[:N])
+    engine.save_checkpoint(f"{base}/rt{stage}", client_state={"marker": stage})
+    if dist.get_rank() == 0:
+        export_deepspeed(f"{base}/rt{stage}", f"{base}/rt_ds{stage}", world=2, stage=stage)
+    dist.barrier()
+    ours = _train(engine, batches[N:])
+    model = make_model("mlp", seed=7)
+    dse, *_ = ds.initialize(model=model, config=_config(stage), model_parameters=list(model.parameters()))
+    _, client = dse.load_checkpoint(f"{base}/rt_ds{stage}")
+    return {"ours": ours, "deepspeed": _train(dse, batches[N:]), "marker": client.get("marker")}
+
+
+def _errors(base: str) -> Dict[str, Any]:
+    """A missing rank file and an unknown version: one-line CheckpointErrors, the engine untouched."""
+    import torch.distributed as dist
+    from models import gathered_params
+
+    import shardspeed
+    from shardspeed.errors import CheckpointError
+
+    if dist.get_rank() == 0:
+        for name in ("missing", "version"):
+            shutil.copytree(f"{base}/ds2fp32", f"{base}/{name}")
+        os.remove(f"{base}/missing/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        file = f"{base}/version/global_step2/mp_rank_00_model_states.pt"
+        sd = torch.load(file, weights_only=False)
+        sd["ds_version"] = "9.1.0"
+        torch.save(sd, file)
+    dist.barrier()
+    engine, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(2))
+    before = gathered_params(engine)
+    out: Dict[str, Any] = {}
+    for name in ("missing", "version"):
+        try:
+            engine.load_checkpoint(f"{base}/{name}")
+            out[name] = None
+        except CheckpointError as exc:
+            out[name] = str(exc)
+    after = gathered_params(engine)
+    out["untouched"] = all(torch.equal(before[n], after[n]) for n in before)
+    return out
+
+
+def _world2(base: str) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    ds = _deepspeed()
+    batches = make_batches("mlp", N + M, 4)
+    out: Dict[str, Any] = {"ds": {}, "ours": {}, "rt": {}}
+    for stage in range(4):
+        out["ds"][(stage, "fp32")] = _ds_run(ds, base, stage, "fp32", batches)
+    out["ds"][(1, "bf16")] = _ds_run(ds, base, 1, "bf16", batches)
+    out["ds"][(2, "fp16")] = _ds_run(ds, base, 2, "fp16", batches)
+    for s in range(4):
+        for t in range(4):
+            out["ours"][(s, "fp32", t)] = _ours_continue(f"{base}/ds{s}fp32", t, "fp32", batches)
+    for s, dtype, t in ((1, "bf16", 0), (1, "bf16", 3), (2, "fp16", 1), (2, "fp16", 3)):
+        out["ours"][(s, dtype, t)] = _ours_continue(f"{base}/ds{s}{dtype}", t, dtype, batches)
+    if dist.get_rank() == 0:  # DeepSpeed's own converter to its universal layout (ZeRO 3: no extra state)
+        args = ["--input_folder", f"{base}/ds3fp32/global_step2", "--output_folder",
+                f"{base}/ds3fp32/global_step2_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"] + args, check=True,
+                       capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    dist.barrier()
+    out["universal"] = _ours_continue(f"{base}/ds3fp32", 1, "fp32", batches, tag="global_step2_universal")
+    for stage in range(4):
+        out["rt"][stage] = _round_trip(ds, base, stage, batches)
+    out["errors"] = _errors(base)
+    return out
+
+
+def _world4(base: str) -> List[str]:
+    import shardspeed
+
+    paths = []
+    for s, t in WORLD4_CASES:
+        engine, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(t))
+        engine.load_checkpoint(f"{base}/ds{s}fp32")
+        paths.append(engine.save_checkpoint(f"{base}/w4_{s}_{t}"))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("ds_ckpt"))
+    return base, run_distributed(_world2, 2, base, timeout=600)[0]
+
+
+def _close(got: List[float], want: List[float], tol: float, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def test_every_stage_continues_deepspeeds_run(results):
+    _, r = results
+    for (s, dtype, t), got in r["ours"].items():
+        want = r["ds"][(s, dtype)]["losses"]
+        _close(got["losses"], want, FP32_TOL if dtype == "fp32" else LOW_TOL, f"DeepSpeed ZeRO {s} {dtype} -> ours {t}")
+        assert got["steps"] == N and got["client"] == {"marker": s}
+
+
+def test_universal_layout_continues(results):
+    _, r = results
+    _close(r["universal"]["losses"], r["ds"][(3, "fp32")]["losses"], FP32_TOL, "universal -> ours 1")
+
+
+def test_round_trip_through_deepspeeds_layout(results):
+    _, r = results
+    for stage, got in r["rt"].items():
+        _close(got["deepspeed"], got["ours"], FP32_TOL, f"ours -> DeepSpeed ZeRO {stage}")
+        assert got["marker"] == stage
+
+
+def test_unmappable_checkpoints_fail_before_loading(results):
+    _, r = results
+    err = r["errors"]
+    assert err["missing"] is not None and "zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in err["missing"]
+    assert "partition_count" in err["missing"]
+    assert err["version"] is not None and "'ds_version'" in err["version"] and "mp_rank_00_model_states.pt" in err["version"]
+    assert all("\n" not in e for e in (err["missing"], err["version"]))
+    assert err["untouched"]
+
+
+def test_loads_at_world_four_exactly(results):
+    from shardspeed.checkpoint.format import ShardReader
+    from shardspeed.checkpoint.metadata import CheckpointMetadata, EntryIndex, read_range
+
+    base, r = results
+    paths = run_distributed(_world4, 4, base, timeout=600)[0]
+    for (s, t), path in zip(WORLD4_CASES, paths):
+        meta = CheckpointMetadata.read(path)
+        assert meta.world_size == 4 and meta.zero_stage == t
+        reader, index = ShardReader(path), EntryIndex(meta.entries, meta.shapes)
+        for name, want in r["ds"][(s, "fp32")]["state"].items():
+            n = want[0].numel()
+            for state, w in zip(("", "exp_avg", "exp_avg_sq"), want):
+                got = read_range(reader, index, name, state, 0, n).view(w.shape)
+                assert torch.equal(got, w.float()), f"DeepSpeed ZeRO {s} -> ours {t} at world 4: {name} {state}"
