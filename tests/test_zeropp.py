@@ -104,7 +104,7 @@ def _model():
     return GPT(GPTConfig.preset("tiny", n_layer=2, block_size=32))
 
 
-def _train(cfg: Dict, steps: int, counter=None, phases: List = None):
+def _train(cfg: Dict, steps: int, counter=None, phases: List = None, skipped: bool = False):
     import torch.distributed as dist
 
     import shardspeed
@@ -127,6 +127,8 @@ def _train(cfg: Dict, steps: int, counter=None, phases: List = None):
         losses.append(float(loss.detach()))
     if counter is not None:
         counter.active = False
+    if skipped:
+        return losses, engine.skipped_steps
     with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = [p.detach().float().clone() for p in engine.module.parameters()]
     return losses, params
@@ -149,6 +151,13 @@ def _quantized_runs() -> Dict:
             counter.totals = {}
             losses, _ = _train(_config(dtype, zeropp), STEPS, counter)
             out[(dtype, name)] = (losses, {k: v["msg_bytes"] for k, v in counter.totals.items()})
+    for name, zeropp in (("plain", {}), ("qwZ+qgZ", VARIANTS["qwZ+qgZ"])):
+        cfg = _config("fp32", zeropp)  # fp16 with a scale that overflows the first steps
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 40}
+        out[("fp16", name)] = _train(cfg, 12, skipped=True)
+        cfg = _config("fp32", zeropp)
+        cfg["zero_optimization"].update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+        out[("offload", name)] = _train(cfg, 12)[0]
     return out
 
 
@@ -182,6 +191,20 @@ def test_quantized_step_moves_fewer_bytes(quantized, dtype, limit):
     # qwZ alone: the gathers shrink (int8 codes + a scale per 256 values), the reduction does not
     ratio = (1 + 4 / 256) / (4 if dtype == "fp32" else 2)
     assert qwz["all_gather"] + qwz.get("broadcast", 0) <= 1.05 * ratio * (plain["all_gather"] + plain.get("broadcast", 0))
+
+
+def test_quantized_fp16_skips_the_same_overflowing_steps(quantized):
+    plain, plain_skipped = quantized[("fp16", "plain")]
+    losses, skipped = quantized[("fp16", "qwZ+qgZ")]
+    assert plain_skipped > 0 and skipped == plain_skipped  # an inf gradient is non-finite after decoding too
+    assert all(math.isfinite(v) for v in losses)
+    assert abs(losses[-1] - plain[-1]) / plain[-1] <= 0.02
+
+
+def test_quantized_with_cpu_offload(quantized):
+    plain, losses = quantized[("offload", "plain")], quantized[("offload", "qwZ+qgZ")]
+    assert losses != plain and abs(losses[-1] - plain[-1]) / plain[-1] <= 0.02
+    assert abs(plain[-1] - quantized[("fp32", "plain")][0][11]) <= 1e-4  # offload itself changes nothing
 
 
 # ---- hpZ at world 4 ----------------------------------------------------------------------------------
@@ -247,3 +270,22 @@ def test_hpz_composes_with_quantization(hpz):
     losses = hpz[0]["hpz+q"][0]
     assert all(math.isfinite(v) for v in losses)
     assert abs(losses[-1] - plain_losses[-1]) / plain_losses[-1] <= 0.05
+
+
+def test_estimator_prices_hpz_and_codes():
+    from shardspeed.estimate.activations import TransformerShape
+    from shardspeed.estimate.model import describe_module
+    from shardspeed.estimate.peak import estimate_peak
+
+    model = _model()
+    spec = describe_module(model, shape=TransformerShape(n_layer=2, hidden=64, n_head=4, vocab=256, ffn_hidden=256,
+                                                         max_seq=32))
+    plain = _config("fp32", {})
+    est = {name: estimate_peak(spec, {**plain, "zero_optimization": {**plain["zero_optimization"], **zeropp}},
+                               world_size=4, micro_batch=4, seq_len=32)
+           for name, zeropp in (("plain", {}), ("hpz", {"zero_hpz_partition_size": 2}),
+                                ("q", {"zero_quantized_weights": True, "zero_quantized_gradients": True}))}
+    psi = sum(p.numel() for p in model.parameters())
+    extra = est["hpz"].total - est["plain"].total
+    assert abs(extra - psi / 2 * 4) <= 0.02 * psi * 2  # the secondary half of the fp32 parameters
+    assert 0 < est["q"].total - est["plain"].total <= 2 * 2 * max(spec.stage3_units)  # codes of one unit in flight

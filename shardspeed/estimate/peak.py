@@ -17,7 +17,8 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   ``tile_elems``) or files (plus the streaming pool, ``buffer_count`` × 3 tiles).
 - stage 3 gathered units: the root's unit (kept from forward to backward), the unit in use and the prefetch
   window (``prefetch_bucket`` elements ahead, within ``max_live_parameters``), and units under
-  ``persistence_threshold`` (kept gathered).
+  ``persistence_threshold`` (kept gathered); ZeRO++: hpZ's secondary partition (Ψ/hpz) and the codes of one
+  unit in flight.
 - activations: a traced :class:`~.activations.ActivationProfile` (exact for that model and shape) or the
   Korthikanti formulas; with a pipeline, ``min(pp, accumulation_steps)`` micro-batches in flight.
 - start-up: the model is built whole on every rank (its parameters in the dtype it was built in) and the
@@ -221,7 +222,22 @@ def _backward(plan: Plan, z: _Sizes, held: Terms) -> Terms:
         out["gathered"] = gathered * z.t_b
         if plan.placement.params != "device":
             out["gather_staging_host"] = max(z.units) / z.n_dp * z.t_b
+        out.update(_zeropp(plan, z))
     out["activations"] = z.act.peak_bytes
+    return out
+
+
+def _zeropp(plan: Plan, z: _Sizes) -> Terms:
+    """ZeRO++'s extra bytes in a backward: hpZ's secondary parts of every unit (1/hpz of the parameters, kept
+    from the forward to the step) and the codes in flight, sent and received, for one largest unit (qwZ: a
+    gather's; qgZ: a reduction's, one or half a byte per value)."""
+    zpp = plan.sharding.zeropp
+    out: Terms = {}
+    if zpp.hpz > 1:
+        out["hpz_secondary"] = z.psi / zpp.hpz * z.t_b
+    code_bytes = (1.0 if zpp.weights != "none" else 0.0) + (zpp.gradient_bits / 8 if zpp.gradient_bits else 0.0)
+    if code_bytes:
+        out["zeropp_codes"] = 2 * max(z.units) * code_bytes
     return out
 
 
