@@ -241,7 +241,7 @@ class ParamManager:
     def _release(self, index: int) -> None:
         if index in self.persistent or index in self._keep:
             return
-        if self._secondary is not None:
+        if self._secondary is not None and self.units[index].comm is None:  # hpZ: dense units only
             self.units[index].keep_secondary(self._secondary.topology.dp_rank, self._secondary.world)
         self.units[index].release()
 
