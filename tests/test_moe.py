@@ -80,7 +80,15 @@ def _reference(start, kw: Dict[str, Any], world: int, clip: float = 0.0):
     return losses, norms
 
 
-def _groups(ep: int, stages, cases, deepspeed_too: bool):
+def _groups(specs):
+    """Each spec (ep, stages, cases, deepspeed_too) in one group of processes; results keyed by ep first."""
+    out: Dict[str, Any] = {}
+    for ep, stages, cases, ds in specs:
+        out.update({f"{ep}/{k}": v for k, v in _cases(ep, stages, cases, ds).items()})
+    return out
+
+
+def _cases(ep: int, stages, cases, deepspeed_too: bool):
     os.environ["DS_ACCELERATOR"] = "cpu"
     import shardspeed
     from shardspeed.moe.layer import MoE
@@ -107,24 +115,44 @@ def _groups(ep: int, stages, cases, deepspeed_too: bool):
     return out
 
 
-def _check(results, world: int, cases, stages, deepspeed_too: bool) -> None:
-    r0 = results[0]
+def _check(results, world: int, spec) -> None:
+    ep, stages, cases, deepspeed_too = spec
+    r0 = {k[len(f"{ep}/"):]: v for k, v in results[0].items() if k.startswith(f"{ep}/")}
     for name, kw in cases:
         ref_losses, ref_norms = _reference(r0[f"start/{name}"], kw, world)
         for stage in stages:
             losses, norms = r0[f"ours/{name}/{stage}"]
-            assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (name, stage)
-            assert norms == pytest.approx(ref_norms, rel=1e-4), (name, stage)
+            assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (ep, name, stage)
+            assert norms == pytest.approx(ref_norms, rel=1e-4), (ep, name, stage)
             if deepspeed_too and stage <= 2:
                 ds_losses, _ = r0[f"ds/{name}/{stage}"]
                 assert losses == pytest.approx(ds_losses, rel=1e-5, abs=1e-6), (name, stage, "deepspeed")
 
 
+WORLD2 = [(2, (0, 1, 2, 3), CASES[:1], True),  # EP 2: every stage (DeepSpeed at 0-2)
+          (2, (2, 3), CASES[1:], True),  # the other gates and capacities
+          (1, (2,), CASES[:1], True)]  # EP 1 × DP 2: the experts are dense parameters
+WORLD4 = [(4, (3,), [CASES[2]], False),  # EP 4 (DeepSpeed's MoE here: EP 1-2 only)
+          (2, (2, 3), [CASES[0]], True)]  # EP 2 × DP 2
+
+
 @pytest.fixture(scope="module")
 def world2():
     pytest.importorskip("deepspeed")
-    return run_distributed(_groups, 2, 2, (0, 1, 2, 3), CASES, True, timeout=400)
+    return run_distributed(_groups, 2, WORLD2, timeout=400)
 
 
-def test_ep2_world2_against_deepspeed_and_reference(world2):
-    _check(world2, 2, CASES, (0, 1, 2, 3), True)
+@pytest.fixture(scope="module")
+def world4():
+    pytest.importorskip("deepspeed")
+    return run_distributed(_groups, 4, WORLD4, timeout=400)
+
+
+@pytest.mark.parametrize("spec", WORLD2, ids=["ep2-stages", "ep2-gates", "ep1-dp2"])
+def test_world2_against_deepspeed_and_reference(world2, spec):
+    _check(world2, 2, spec)
+
+
+@pytest.mark.parametrize("spec", WORLD4, ids=["ep4", "ep2-dp2"])
+def test_world4_against_deepspeed_and_reference(world4, spec):
+    _check(world4, 4, spec)

@@ -214,6 +214,8 @@ class EngineView:
         never a unit of replicas (another stage saves those parameters)."""
         if all(id(p) in self._replicas for p in unit.params):
             return False
+        if unit.comm is not None:  # an expert unit: its expert-data group's first rank (entries keyed by expert id)
+            return unit.layout.world > 1 or unit.comm.topology.dp_rank == 0
         return unit.layout.world > 1 or self.data_rank == 0
 
     def other_params(self) -> List[Tuple[str, nn.Parameter]]:
