@@ -1,0 +1,55 @@
+"""Activations per rank with sequence parallelism, tiling and activation offload (docs/long-context.md).
+
+The formula of :mod:`.activations` for this rank's ``seq_len / sp`` tokens, with what sequence parallelism
+changes: attention works on the gathered sequence (Ulysses: S tokens × H/P heads; ring: the gathered K/V
+and one chunk-pair score block), ``mlp_tiles`` divides the MLP's recompute working set, ``loss_tiles``
+divides the logits, and ``offload`` moves the checkpointed layer inputs to the host (``host_bytes``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .activations import TransformerShape
+
+
+@dataclass(frozen=True)
+class LongContextActivations:
+    """Bytes per rank: ``device_peak`` (device memory at the peak of a micro-step) and ``host_bytes``
+    (checkpointed inputs offloaded to host memory)."""
+
+    device_peak: float
+    host_bytes: float
+    local_tokens: int
+
+
+def long_context_activations(shape: TransformerShape, micro_batch: int, seq_len: int, elem_bytes: int, *,
+                             sp: int = 1, attention: str = "ulysses", checkpointing: bool = True,
+                             offload: bool = False, mlp_tiles: int = 1, loss_tiles: int = 1,
+                             kv_heads: int = 0) -> LongContextActivations:
+    """Activations of one micro-step on one of ``sp`` sequence ranks (see the module docstring)."""
+    if attention not in ("ulysses", "ring"):
+        raise ConfigError(f"attention must be 'ulysses' or 'ring', got {attention!r}")
+    if attention == "ulysses" and shape.n_head % sp:
+        raise ConfigError(f"sequence_parallel_size {sp} does not divide the {shape.n_head} heads (Ulysses)")
+    unit = sp * (2 if attention == "ring" else 1)
+    local = math.ceil(seq_len / unit) * unit // sp
+    e, b, h = float(elem_bytes), micro_batch, shape.hidden
+    sbh = float(local) * b * h
+    kv = kv_heads or shape.n_head
+    head_dim = h // shape.n_head
+    ffn = float(local) * b * shape.ffn_hidden
+    # one layer's working set in backward: norms, q/k/v/o, residuals (≈ 10·sbh), the MLP (3 × ffn wide)
+    mlp = 3 * e * ffn / max(1, mlp_tiles)
+    if attention == "ulysses":  # the all-to-all's gathered q, k, v and output of H/P heads over S tokens
+        attn = 4 * e * float(local) * sp * b * (h / sp)
+    else:  # gathered K and V (all ranks'), one query chunk against one key chunk of scores (fp32)
+        chunk = local // 2
+        attn = 2 * e * float(local) * sp * b * kv * head_dim + 4.0 * b * shape.n_head * chunk * chunk
+    layer = 10 * e * sbh + mlp + attn
+    sbv = float(local) * b * shape.vocab / max(1, loss_tiles)
+    head = sbv * (e + 4 + 4) + 2 * e * sbh  # logits, fp32 log-softmax, their gradient; final norm
+    saved = shape.n_layer * e * sbh if checkpointing else shape.n_layer * layer
+    host = saved if (checkpointing and offload) else 0.0
+    device = (saved - host) + max(head, layer if checkpointing else 0.0)
+    return LongContextActivations(device_peak=device, host_bytes=host, local_tokens=local)

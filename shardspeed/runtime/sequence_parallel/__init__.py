@@ -1,0 +1,2 @@
+"""DeepSpeed's ``deepspeed.runtime.sequence_parallel`` for shardspeed (ALST: Ulysses, tiling); see
+:mod:`.ulysses_sp` and docs/long-context.md."""

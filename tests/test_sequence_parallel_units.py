@@ -1,0 +1,129 @@
+"""The pure parts of sequence parallelism: the batch split, tiled compute against untiled, the plan."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardspeed.errors import ConfigError
+from shardspeed.parallel.sp import (
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    padded_length,
+    sequence_tiled_compute,
+    shard_batch,
+    unshard,
+)
+from shardspeed.plan import ModelFacts, decide
+
+
+def _batch(seq=7):
+    ids = torch.arange(2 * seq).view(2, seq) % 11
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(2, seq, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("layout,world", [("contiguous", 2), ("contiguous", 3), ("zigzag", 2), ("zigzag", 4)])
+def test_shard_batch_pads_shifts_and_reassembles(layout, world):
+    b = _batch(7)
+    parts = [shard_batch(b, r, world, layout=layout, pad_token_id=99) for r in range(world)]
+    total = padded_length(7, world, layout)
+    assert total % (world * (2 if layout == "zigzag" else 1)) == 0 and total >= 7
+    ids = unshard([p["input_ids"] for p in parts], layout)
+    labels = unshard([p["shift_labels"] for p in parts], layout)
+    pos = unshard([p["position_ids"] for p in parts], layout)
+    mask = unshard([p["attention_mask"] for p in parts], layout)
+    assert torch.equal(ids[:, :7], b["input_ids"]) and (ids[:, 7:] == 99).all()
+    # labels shifted before sharding: token t predicts t+1, -100 at the end and over the padding
+    assert torch.equal(labels[:, :6], b["labels"][:, 1:]) and (labels[:, 6:] == -100).all()
+    assert torch.equal(pos, torch.arange(total).expand(2, -1)) and mask[:, 7:].sum() == 0
+    assert "labels" not in parts[0] and all(p["input_ids"].shape[1] == total // world for p in parts)
+
+
+def test_zigzag_puts_head_and_tail_chunks_together():
+    parts = [shard_batch({"input_ids": torch.arange(8).view(1, 8)}, r, 2, layout="zigzag") for r in range(2)]
+    assert parts[0]["input_ids"].tolist() == [[0, 1, 6, 7]] and parts[1]["input_ids"].tolist() == [[2, 3, 4, 5]]
+
+
+class _MLP(nn.Module):
+    def __init__(self, h=6):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _grads(module, x):
+    return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+
+
+def test_tiled_mlp_and_sequence_tiled_compute_match_untiled():
+    torch.manual_seed(0)
+    mlp = _MLP()
+    x0 = torch.randn(2, 9, 6)
+    x = x0.clone().requires_grad_()
+    (mlp(x) ** 2).sum().backward()
+    want = _grads(mlp, x)
+    for run in (lambda x: TiledMLP.apply(lambda m, xs: m(xs), mlp, x, 4, None),
+                lambda x: sequence_tiled_compute(lambda hidden: mlp(hidden), 9, 2, {"hidden": x}, {}, "hidden",
+                                                 list(mlp.parameters()), output_reduction=None)):
+        mlp.zero_grad()
+        x = x0.clone().requires_grad_()
+        (run(x) ** 2).sum().backward()
+        for a, b in zip(_grads(mlp, x), want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="output_reduction"):
+        SequenceTiledCompute.apply(lambda hidden: hidden, 9, 2, ["hidden"], [], "hidden", None, 1, "max", x0)
+
+
+def test_tiled_fused_logits_loss_matches_untiled():
+    torch.manual_seed(0)
+    head = nn.Linear(6, 13, bias=False)
+    x0, y = torch.randn(2, 10, 6), torch.randint(0, 13, (2, 10))
+    y[0, 7:] = -100
+
+    def loss_fn(m, xs, ys):
+        return torch.nn.functional.cross_entropy(m(xs).reshape(-1, 13), ys.reshape(-1), reduction="sum")
+
+    x = x0.clone().requires_grad_()
+    (loss_fn(head, x, y) * 0.5).backward()
+    want = _grads(head, x)
+    head.zero_grad()
+    x = x0.clone().requires_grad_()
+    (TiledFusedLogitsLoss.apply(loss_fn, head, x, y, None, 3, None, "sum") * 0.5).backward()
+    for a, b in zip(_grads(head, x), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_sequence_dimension():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "sequence_parallel_size": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    plan = decide(cfg, 8)
+    m = plan.mesh
+    assert (m.data, m.sequence, m.shard_size, m.batch_world) == (4, 2, 8, 4)
+    assert "sequence" in m.dims and plan.sharding.unit_world == 8  # ZeRO shards over data × sequence
+    assert plan.batch.global_batch == 2 * 3 * 4  # SP ranks share samples: the batch counts data only
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2 with pipeline"):
+        decide(cfg, 8, ModelFacts(pipeline_stages=2))
+    with pytest.raises(ConfigError, match="sequence_parallel_size 4"):
+        decide(dict(cfg, sequence_parallel_size=4), 6)
+
+
+def test_long_context_estimate_per_rank():
+    from shardspeed.estimate.activations import TransformerShape
+    from shardspeed.estimate.long_context import long_context_activations
+
+    shape = TransformerShape(n_layer=4, hidden=64, n_head=4, vocab=1000, ffn_hidden=128, max_seq=1 << 20)
+    one = long_context_activations(shape, 1, 4096, 4)
+    two = long_context_activations(shape, 1, 4096, 4, sp=2)
+    assert (one.local_tokens, two.local_tokens) == (4096, 2048)
+    assert abs(two.device_peak / one.device_peak - 0.5) < 0.05  # every term is linear in the local tokens
+    off = long_context_activations(shape, 1, 4096, 4, sp=2, offload=True)
+    assert off.host_bytes == 4 * 4 * 2048 * 64 and off.device_peak == two.device_peak - off.host_bytes
+    tiled = long_context_activations(shape, 1, 4096, 4, sp=2, loss_tiles=8, mlp_tiles=4)
+    assert tiled.device_peak < 0.5 * two.device_peak  # the logits dominate at vocab 1000 > hidden 64
+    ring = long_context_activations(shape, 1, 4095, 4, sp=8, attention="ring", kv_heads=1)
+    assert ring.local_tokens == 512  # padded to a multiple of 2P = 16
+    with pytest.raises(ConfigError, match="does not divide"):
+        long_context_activations(shape, 1, 4096, 4, sp=8)
