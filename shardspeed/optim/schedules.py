@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -78,6 +78,14 @@ def _warmup_gamma(it: int, num_steps: int, warmup_type: str) -> float:
     if warmup_type == "log":
         return math.log(it + 1) / math.log(num_steps)
     return it / num_steps
+
+
+@runtime_checkable
+class SchedulerLike(Protocol):
+    """What the engine needs of an LR scheduler: ``step()`` once per optimizer step (one of this module's, a
+    torch scheduler or a user's; ``state_dict``/``load_state_dict`` too if it is to be checkpointed)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class _Schedule:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,7 @@ from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
 from ..mesh.topology import Topology
 from ..monitor.timers import Timers
+from ..optim.schedules import SchedulerLike
 from ..precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
@@ -36,7 +37,7 @@ class EngineParts:
     reducer: GradientReducer
     master: MasterWeights
     loss_scaler: Union[StaticLossScaler, DynamicLossScaler]
-    lr_scheduler: Any  # a torch LR scheduler, one of shardspeed.optim.schedules, the user's, or None
+    lr_scheduler: Optional[SchedulerLike]  # a torch LR scheduler, one of shardspeed.optim.schedules, the user's
     train_batch_size: int
     micro_batch_size: int
     gradient_accumulation_steps: int
