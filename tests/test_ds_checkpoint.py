@@ -31,6 +31,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 N, M = 2, 3
 FP32_TOL, LOW_TOL = 1e-6, 1e-3
 WORLD4_CASES = [(0, 1), (1, 2), (2, 3), (3, 0)]  # (DeepSpeed's stage at world 2, ours at world 4)
+#: (model, DeepSpeed's stage, ours): tied weights, a frozen layer, two optimizer groups
+EXTRA_CASES = [("tied", 3, 1), ("tied", 0, 2), ("mlp_frozen", 1, 3), ("mlp_frozen", 3, 0), ("groups", 0, 3),
+               ("groups", 3, 2)]
 
 
 def _config(stage: int, dtype: str = "fp32") -> dict:
@@ -54,7 +57,8 @@ def _train(engine, batches) -> List[float]:
     out = []
     for b in batches:
         x, y = micro_batch(b, rank, world, 0, 1)
-        loss = engine(x.to(dtype), y.to(dtype))
+        x, y = (t.to(dtype) if t.is_floating_point() else t for t in (x, y))
+        loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         total = loss.detach().float().clone()
@@ -89,19 +93,31 @@ def _ds_state(engine, stage: int) -> Dict[str, List[torch.Tensor]]:
     return out
 
 
-def _ds_run(ds, base: str, stage: int, dtype: str, batches) -> Dict[str, Any]:
-    model = make_model("mlp")
-    engine, *_ = ds.initialize(model=model, config=_config(stage, dtype), model_parameters=list(model.parameters()))
+def _model(kind: str, seed: int = 0):
+    """The model and the parameter groups both engines get: ``groups`` is the MLP with two groups (biases
+    without weight decay and at another learning rate); ``tied``, ``mlp_frozen`` as in models.py."""
+    model = make_model("mlp" if kind == "groups" else kind, seed)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind != "groups":
+        return model, [p for _, p in trained]
+    return model, [{"params": [p for n, p in trained if n.endswith("weight")], "weight_decay": 0.1},
+                   {"params": [p for n, p in trained if n.endswith("bias")], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _ds_run(ds, base: str, stage: int, dtype: str, batches, kind: str = "mlp") -> Dict[str, Any]:
+    model, params = _model(kind)
+    engine, *_ = ds.initialize(model=model, config=_config(stage, dtype), model_parameters=params)
     _train(engine, batches[:N])
-    engine.save_checkpoint(f"{base}/ds{stage}{dtype}", client_state={"marker": stage})
-    state = _ds_state(engine, stage) if dtype == "fp32" else None
+    engine.save_checkpoint(f"{base}/{kind}{stage}{dtype}", client_state={"marker": stage})
+    state = _ds_state(engine, stage) if dtype == "fp32" and kind == "mlp" else None
     return {"losses": _train(engine, batches[N:]), "state": state}
 
 
-def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None) -> Dict[str, Any]:
+def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None, kind: str = "mlp") -> Dict[str, Any]:
     import shardspeed
 
-    engine, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(stage, dtype))
+    model, params = _model(kind, seed=7)
+    engine, *_ = shardspeed.initialize(model=model, config=_config(stage, dtype), model_parameters=params)
     _, client = engine.load_checkpoint(load_dir, tag=tag)
     steps = engine.global_steps
     return {"losses": _train(engine, batches[N:]), "client": client, "steps": steps}
@@ -137,7 +153,7 @@ def _errors(base: str) -> Dict[str, Any]:
 
     if dist.get_rank() == 0:
         for name in ("missing", "version"):
-            shutil.copytree(f"{base}/ds2fp32", f"{base}/{name}")
+            shutil.copytree(f"{base}/mlp2fp32", f"{base}/{name}")
         os.remove(f"{base}/missing/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
         file = f"{base}/version/global_step2/mp_rank_00_model_states.pt"
         sd = torch.load(file, weights_only=False)
@@ -170,16 +186,20 @@ def _world2(base: str) -> Dict[str, Any]:
     out["ds"][(2, "fp16")] = _ds_run(ds, base, 2, "fp16", batches)
     for s in range(4):
         for t in range(4):
-            out["ours"][(s, "fp32", t)] = _ours_continue(f"{base}/ds{s}fp32", t, "fp32", batches)
+            out["ours"][(s, "fp32", t)] = _ours_continue(f"{base}/mlp{s}fp32", t, "fp32", batches)
     for s, dtype, t in ((1, "bf16", 0), (1, "bf16", 3), (2, "fp16", 1), (2, "fp16", 3)):
-        out["ours"][(s, dtype, t)] = _ours_continue(f"{base}/ds{s}{dtype}", t, dtype, batches)
+        out["ours"][(s, dtype, t)] = _ours_continue(f"{base}/mlp{s}{dtype}", t, dtype, batches)
+    for kind, s, t in EXTRA_CASES:
+        out["ds"][(kind, s)] = _ds_run(ds, base, s, "fp32", make_batches(kind, N + M, 4), kind)
+        out["ours"][(kind, s, t)] = _ours_continue(f"{base}/{kind}{s}fp32", t, "fp32", make_batches(kind, N + M, 4),
+                                                   kind=kind)
     if dist.get_rank() == 0:  # DeepSpeed's own converter to its universal layout (ZeRO 3: no extra state)
-        args = ["--input_folder", f"{base}/ds3fp32/global_step2", "--output_folder",
-                f"{base}/ds3fp32/global_step2_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        args = ["--input_folder", f"{base}/mlp3fp32/global_step2", "--output_folder",
+                f"{base}/mlp3fp32/global_step2_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
         subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"] + args, check=True,
                        capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     dist.barrier()
-    out["universal"] = _ours_continue(f"{base}/ds3fp32", 1, "fp32", batches, tag="global_step2_universal")
+    out["universal"] = _ours_continue(f"{base}/mlp3fp32", 1, "fp32", batches, tag="global_step2_universal")
     for stage in range(4):
         out["rt"][stage] = _round_trip(ds, base, stage, batches)
     out["errors"] = _errors(base)
@@ -192,7 +212,7 @@ def _world4(base: str) -> List[str]:
     paths = []
     for s, t in WORLD4_CASES:
         engine, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(t))
-        engine.load_checkpoint(f"{base}/ds{s}fp32")
+        engine.load_checkpoint(f"{base}/mlp{s}fp32")
         paths.append(engine.save_checkpoint(f"{base}/w4_{s}_{t}"))
     return paths
 
@@ -210,10 +230,21 @@ def _close(got: List[float], want: List[float], tol: float, what: str) -> None:
 
 def test_every_stage_continues_deepspeeds_run(results):
     _, r = results
-    for (s, dtype, t), got in r["ours"].items():
+    for case, got in r["ours"].items():
+        if case[0] in ("tied", "mlp_frozen", "groups"):
+            continue
+        s, dtype, t = case
         want = r["ds"][(s, dtype)]["losses"]
         _close(got["losses"], want, FP32_TOL if dtype == "fp32" else LOW_TOL, f"DeepSpeed ZeRO {s} {dtype} -> ours {t}")
         assert got["steps"] == N and got["client"] == {"marker": s}
+
+
+def test_tied_frozen_and_grouped_models_continue(results):
+    _, r = results
+    for kind, s, t in EXTRA_CASES:
+        got = r["ours"][(kind, s, t)]
+        _close(got["losses"], r["ds"][(kind, s)]["losses"], FP32_TOL, f"{kind}: DeepSpeed ZeRO {s} -> ours {t}")
+        assert got["steps"] == N
 
 
 def test_universal_layout_continues(results):
@@ -253,3 +284,41 @@ def test_loads_at_world_four_exactly(results):
             for state, w in zip(("", "exp_avg", "exp_avg_sq"), want):
                 got = read_range(reader, index, name, state, 0, n).view(w.shape)
                 assert torch.equal(got, w.float()), f"DeepSpeed ZeRO {s} -> ours {t} at world 4: {name} {state}"
+
+
+def _read_ours(path: str, names) -> Dict[str, List[torch.Tensor]]:
+    from shardspeed.checkpoint.format import ShardReader
+    from shardspeed.checkpoint.metadata import CheckpointMetadata, EntryIndex, read_range
+
+    meta = CheckpointMetadata.read(path)
+    reader, index = ShardReader(path), EntryIndex(meta.entries, meta.shapes)
+    return {n: [read_range(reader, index, n, st, 0, meta.tensors[n].numel) for st in ("", "exp_avg", "exp_avg_sq")]
+            for n in names}
+
+
+def test_convert_command_both_ways(results, capsys):
+    """``shardspeed convert``: DeepSpeed's ZeRO-2 checkpoint to ours holds DeepSpeed's parameters and moments
+    exactly; ours to DeepSpeed's ZeRO-1 layout for 4 ranks reads back (through our DeepSpeed reader) the
+    same; a shardspeed checkpoint without --world/--stage is a usage error naming them."""
+    from shardspeed.checkpoint.deepspeed_layout import open_deepspeed
+    from shardspeed.checkpoint.metadata import EntryIndex, read_range
+    from shardspeed.cli import main
+
+    base, r = results
+    want = r["ds"][(2, "fp32")]["state"]
+    assert main(["convert", f"{base}/mlp2fp32", f"{base}/cli_ours"]) == 0
+    got = _read_ours(f"{base}/cli_ours/global_step2", want)
+    for name, w in want.items():
+        for g, x in zip(got[name], w):
+            assert torch.equal(g, x.float().reshape(-1)), name
+    assert main(["convert", f"{base}/cli_ours", f"{base}/cli_ds", "--world", "4", "--stage", "1"]) == 0
+    assert len([f for f in os.listdir(f"{base}/cli_ds/global_step2") if f.endswith("optim_states.pt")]) == 4
+    src = open_deepspeed(f"{base}/cli_ds", "global_step2")
+    assert src is not None and src.meta.world_size == 4 and src.meta.zero_stage == 1
+    index = EntryIndex(src.meta.entries, src.meta.shapes)
+    for name, w in want.items():
+        for st, x in zip(("", "exp_avg", "exp_avg_sq"), w):
+            assert torch.equal(read_range(src.reader, index, name, st, 0, x.numel()), x.float().reshape(-1)), name
+    capsys.readouterr()
+    assert main(["convert", f"{base}/cli_ours", f"{base}/cli_bad"]) == 1
+    assert "--world and --stage" in capsys.readouterr().err

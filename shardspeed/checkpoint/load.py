@@ -208,14 +208,30 @@ def _read_common(path: str, meta: CheckpointMetadata) -> Dict[str, Any]:
     return common
 
 
+def _trained_by_group(view: EngineView) -> List[List[str]]:
+    """Per optimizer group, its trained parameters' names in registration order (every rank's pieces
+    together: a rank holds only its own at stages 1-3). A collective: DeepSpeed's ZeRO 0 keys its optimizer
+    state by position in the groups, so a load of it needs them."""
+    mine = {pc.name: pc.group for pieces in view.pieces() for pc in pieces}
+    group_of: Dict[str, int] = {}
+    for d in view.all_gather_object(mine):
+        group_of.update(d)
+    out: List[List[str]] = [[] for _ in range(max(group_of.values(), default=-1) + 1)]
+    for name, _ in view.module.named_parameters():
+        if name in group_of:
+            out[group_of[name]].append(name)
+    return out
+
+
 def _open(view: EngineView, load_dir: str, tag: str,
           verify: bool) -> Tuple[str, CheckpointMetadata, ShardReader, Dict[str, Any]]:
     """(path, metadata, reader, common state) of checkpoint ``tag``: ours, or DeepSpeed's (its ZeRO 0-3
     layouts and its universal one), presented as ours (:mod:`.deepspeed_layout`)."""
-    from .deepspeed_layout import open_deepspeed
+    from .deepspeed_layout import is_deepspeed_dir, open_deepspeed
 
-    ds = open_deepspeed(load_dir, tag, trainable=[n for n, _, trained in view.unit_params() if trained])
-    if ds is not None:
+    if is_deepspeed_dir(os.path.join(load_dir, tag)):  # the same answer on every rank (a shared directory)
+        ds = open_deepspeed(load_dir, tag, trainable=_trained_by_group(view))
+        assert ds is not None
         return ds.path, ds.meta, ds.reader, ds.common
     path = resolve(load_dir, tag)
     meta = CheckpointMetadata.read(path)

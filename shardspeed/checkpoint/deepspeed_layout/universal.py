@@ -92,10 +92,12 @@ def read_universal(path: str, tag: str, reader: PtReader) -> DeepSpeedSource:
     return DeepSpeedSource(path, meta, reader, common_state(ms, opt.get("loss_scaler")), "universal")
 
 
-def open_deepspeed(load_dir: str, tag: str, trainable: Optional[Sequence[str]] = None) -> Optional[DeepSpeedSource]:
+def open_deepspeed(load_dir: str, tag: str,
+                   trainable: Optional[Sequence[Sequence[str]]] = None) -> Optional[DeepSpeedSource]:
     """The DeepSpeed checkpoint ``load_dir/tag`` as a source for our loader, or None when that directory
-    is not DeepSpeed's. ``trainable``: the model's trainable parameter names (ZeRO 0 keys its optimizer
-    state by position; without them every parameter of the module is taken as trained)."""
+    is not DeepSpeed's. ``trainable[g]``: the model's trained parameter names in optimizer group ``g``, in
+    registration order (ZeRO 0 keys its optimizer state by position; without them every parameter of the
+    module is taken as trained, the groups in module order)."""
     path = os.path.join(load_dir, tag)
     if not is_deepspeed_dir(path):
         return None

@@ -58,7 +58,39 @@ def _world(osd: Dict[str, Any], file: str) -> int:
     return int(counts[0])
 
 
-def read_zero0(path: str, tag: str, ms: Dict[str, Any], trainable: Optional[Sequence[str]]) -> DeepSpeedSource:
+def _zero0_names(ms: Dict[str, Any], groups: List[Dict[str, Any]], trainable: Optional[Sequence[Sequence[str]]],
+                 file: str) -> List[str]:
+    """The parameter name of each optimizer position (``param_groups`` order). ZeRO 0 saves no names: the
+    position is the one in the groups the user passed. ``trainable[g]``: the names of group ``g`` in the
+    model's registration order (from the engine); None: every module parameter, groups in module order."""
+    module = field(ms, ("module",), file)
+    buffers = set(ms.get("buffer_names") or [])
+    alias = aliases(ms)
+    names = [n for n, t in module.items() if n not in buffers and n not in alias and torch.is_tensor(t)]
+    sizes = [len(g["params"]) for g in groups]
+    if trainable is not None and [len(t) for t in trainable] == sizes:
+        names = [n for t in trainable for n in t]
+    elif trainable is not None:
+        names = []  # fails below, naming the counts
+    if len(names) != sum(sizes):
+        raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'optimizer/param_groups' holds parameter "
+                              f"groups of {sizes} parameters but the model's have "
+                              f"{[len(t) for t in trainable] if trainable is not None else [len(names)]}; load it "
+                              f"into the model (and parameter groups) it was trained with")
+    state = (ms["optimizer"] if "state" in ms["optimizer"] else ms["optimizer"][OSD]).get("state", {})
+    order = [int(i) for g in groups for i in g["params"]]
+    for idx, name in zip(order, names):
+        if name not in module:
+            raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'module' has no {name!r}")
+        got = state.get(idx, {}).get("exp_avg")
+        if torch.is_tensor(got) and tuple(got.shape) != tuple(module[name].shape):
+            raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'optimizer/state/{idx}/exp_avg' has shape "
+                                  f"{list(got.shape)}, the parameter it belongs to ({name!r}) {list(module[name].shape)}")
+    return names
+
+
+def read_zero0(path: str, tag: str, ms: Dict[str, Any],
+               trainable: Optional[Sequence[Sequence[str]]]) -> DeepSpeedSource:
     """ZeRO 0: the module holds the weights (fp32) or ``optimizer.fp32_groups[_flat]`` the masters; the
     torch optimizer's per-parameter state is keyed by its position in ``param_groups``."""
     file = os.path.join(path, MODEL_FILE)
@@ -72,14 +104,7 @@ def read_zero0(path: str, tag: str, ms: Dict[str, Any], trainable: Optional[Sequ
     groups = field(base, ("param_groups",), file)
     order = [int(i) for g in groups for i in g["params"]]
     module = field(ms, ("module",), file)
-    buffers = set(ms.get("buffer_names") or [])
-    names = [n for n, t in module.items() if n not in buffers and n not in alias and torch.is_tensor(t)]
-    if trainable is not None:
-        names = [n for n in names if n in set(trainable)]
-    if len(names) != len(order):
-        raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'optimizer/param_groups' holds {len(order)} "
-                              f"parameters but the module has {len(names)} trainable ones; load it into the model "
-                              f"it was trained with")
+    names = _zero0_names(ms, groups, trainable, file)
     tensors, entries = module_tensors(ms, file, skip=set(alias))
     mf = os.path.basename(file)
     flat_at: Dict[int, Tuple[int, int]] = {}  # fp32_groups_flat: position -> (group, offset in its flat)
