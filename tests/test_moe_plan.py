@@ -1,0 +1,46 @@
+"""The expert dimension in the plan (pure: no process group) and the estimator's MoE arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+from shardspeed.errors import ConfigError
+from shardspeed.estimate.experts import capacity_all_to_all, moe_model_states, routed_all_to_all
+from shardspeed.plan import ModelFacts, decide
+
+
+def _cfg(stage: int = 0, **extra):
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, **extra}
+
+
+def test_expert_dimension_from_the_model_and_from_autoep():
+    plan = decide(_cfg(), 4, ModelFacts(ep_size=2))
+    assert (plan.mesh.data, plan.mesh.expert, plan.mesh.shard_size, plan.mesh.expert_shard_size) == (2, 2, 4, 2)
+    assert plan.batch.global_batch == 8  # every rank reads its own samples
+    assert "expert" in plan.mesh.dims
+    auto = decide(_cfg(expert_parallel={"enabled": True, "autoep_size": 4}), 4)
+    assert (auto.mesh.data, auto.mesh.expert) == (1, 4)
+    assert decide(_cfg(expert_parallel={"enabled": False, "autoep_size": 4}), 4).mesh.expert == 1
+
+
+@pytest.mark.parametrize("config,facts,key", [
+    (_cfg(expert_parallel={"enabled": True, "autoep_size": 4}), ModelFacts(ep_size=2), "autoep_size"),
+    (_cfg(expert_parallel={"enabled": True, "autoep_size": 3}), None, "autoep_size"),
+    (_cfg(), ModelFacts(ep_size=8), "ep_size"),
+    (_cfg(use_data_before_expert_parallelism=True), ModelFacts(ep_size=2), "use_data_before_expert_parallelism"),
+])
+def test_contradictions_name_the_keys(config, facts, key):
+    with pytest.raises(ConfigError, match=key):
+        decide(config, 4, facts)
+
+
+@pytest.mark.parametrize("stage,expected", [(0, 16 * (100 + 40 / 2)), (1, 8 * 100 + 8 * 100 / 4 + 8 * 20 + 8 * 20 / 2),
+                                            (3, 16 * 100 / 4 + 16 * 20 / 2)])
+def test_model_states_per_rank_by_ep(stage, expected):
+    plan = decide(_cfg(stage), 4, ModelFacts(ep_size=2))  # data 2 x expert 2
+    assert moe_model_states(plan, 100, 40).total == pytest.approx(expected)
+
+
+def test_all_to_all_bytes():
+    # 16 tokens, 4 experts, top-1, capacity 4: buffer 4 x 4 x 8 fp32 = 512 B; half leaves the rank, 4 exchanges
+    assert capacity_all_to_all(16, 8, 4, 2).per_layer == 4 * 512 / 2
+    assert routed_all_to_all(16, 8, 2, k=2, layers=3).per_step == 3 * 4 * (16 * 2 * 8 * 4) / 2
