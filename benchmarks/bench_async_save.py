@@ -1,0 +1,160 @@
+"""Asynchronous save: the training stall it causes against a synchronous save's time, and its memory.
+
+    python benchmarks/bench_async_save.py                    # gpt-113m, world 4, ZeRO 2, fp32, gloo/CPU
+    python benchmarks/bench_async_save.py --model gpt-quick  # a quick check
+
+The driver launches ``torchrun --nproc-per-node WORLD`` once (``MALLOC_MMAP_THRESHOLD_=65536``, so freed
+tensors leave the process). Each rank builds the model, trains ``--warmup`` steps, then, barrier to
+barrier, measures: ``--steps`` plain steps (the baseline step time); a synchronous ``save_checkpoint``;
+and an asynchronous one, i.e. the call itself (the snapshot) followed by the same number of steps while
+the writer runs, then the wait for it. The *stall* is what the asynchronous save adds to training: the
+call plus the steps' excess over the baseline; the target is at most 10% of the synchronous save's time.
+Memory: the peak RSS above the level before each save (sampled every 5 ms, worst rank) against this
+rank's snapshot (``AsyncSaves.snapshot_bytes``). On this CPU box the writer competes with training for
+the same cores (on a GPU the training runs on the device); the figures are from a shared, loaded machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.bench_checkpoint import PeakRSS  # noqa: E402
+from benchmarks.models import MODELS, build_model, make_batch  # noqa: E402
+
+MODELS.setdefault("gpt-113m", {"kind": "gpt", "vocab_size": 16384, "block_size": 1024, "n_layer": 14, "n_head": 12,
+                               "n_embd": 768, "batch": 2})  # as bench_stage3_memory.py
+SEQ = 64  # tokens per sample fed (the position table keeps block_size entries)
+
+
+def _steps(engine, model: str, n: int, world: int, rank: int, first: int) -> float:
+    """Seconds for ``n`` steps, barrier to barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(n):
+        x, y = make_batch(model, first + i, world, rank)
+        loss = engine(x[:, :SEQ].contiguous(), y[:, :SEQ].contiguous())
+        engine.backward(loss)
+        engine.step()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import shardspeed
+
+    shardspeed.init_distributed(backend="gloo", timeout=1800)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"train_batch_size": MODELS[args.model]["batch"] * world,
+           "train_micro_batch_size_per_gpu": MODELS[args.model]["batch"],
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": args.stage}}
+    engine, *_ = shardspeed.initialize(model=build_model(args.model), config=cfg)
+    _steps(engine, args.model, args.warmup, world, rank, 0)
+    with PeakRSS() as m_sync:
+        t0 = time.perf_counter()
+        engine.save_checkpoint(args.dir, tag="sync")
+        dist.barrier()
+        t_sync = time.perf_counter() - t0
+    engine.save_checkpoint(args.dir, tag="warm", async_save=True)  # the first one creates the writer's group
+    engine.destroy()
+    rounds = []
+    for r in range(args.rounds):  # interleaved with plain steps: the box's drift hits both alike
+        base = _steps(engine, args.model, args.steps, world, rank, 300 + 10 * r)
+        with PeakRSS() as m_async:
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.save_checkpoint(args.dir, tag=f"async{r}", async_save=True)
+            dist.barrier()
+            t_call = time.perf_counter() - t0
+            during = _steps(engine, args.model, args.steps, world, rank, 200 + 10 * r)
+            t0 = time.perf_counter()
+            engine.destroy()  # waits for the writer
+            dist.barrier()
+            t_wait = time.perf_counter() - t0
+        rounds.append({"base_s": base, "call_s": t_call, "during_s": during, "wait_s": t_wait,
+                       "async_rss": m_async.extra})
+    row = {"rank": rank, "sync_s": t_sync, "sync_rss": m_sync.extra, "rounds": rounds,
+           "snapshot": engine.checkpoint_parts().async_saves.snapshot_bytes,
+           "params": sum(p.numel() for p in engine.module.parameters())}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+    shardspeed.shutdown_distributed()
+
+
+def _worst(rows, r: int, key: str) -> float:
+    return max(row["rounds"][r][key] for row in rows)
+
+
+def _table(rows, args) -> str:
+    mb = 2**20
+    sync = max(r["sync_s"] for r in rows)
+    lines = [f"{args.model} ({rows[0]['params'] / 1e6:.1f}M params), fp32 AdamW, ZeRO {args.stage}, world "
+             f"{args.world}, gloo/CPU; {args.steps} steps while writing; times and memory: worst rank; +RSS: peak "
+             f"above the level before the save",
+             f"synchronous save: {sync:.2f} s, +RSS {max(r['sync_rss'] for r in rows) / mb:.0f} MiB; snapshot per "
+             f"rank {max(r['snapshot'] for r in rows) / mb:.0f} MiB", "",
+             "| round | call (snapshot) s | steps alone s | steps while writing s | wait after s | stall s | "
+             "stall / sync save | async +RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in range(args.rounds):
+        stall = max(row["rounds"][r]["call_s"] + row["rounds"][r]["during_s"] - row["rounds"][r]["base_s"]
+                    for row in rows)
+        lines.append(f"| {r} | {_worst(rows, r, 'call_s'):.2f} | {_worst(rows, r, 'base_s'):.2f} | "
+                     f"{_worst(rows, r, 'during_s'):.2f} | {_worst(rows, r, 'wait_s'):.2f} | {stall:.2f} | "
+                     f"{100 * stall / sync:.0f}% | {_worst(rows, r, 'async_rss') / mb:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt-113m")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--results", default="benchmarks/results/bench_async_save.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    d = tempfile.mkdtemp(prefix="bench-async-save-")
+    out = os.path.join(d, "result.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
+           os.path.abspath(__file__), "--worker", "--dir", os.path.join(d, "ckpt"), "--out", out,
+           "--model", args.model, "--stage", str(args.stage), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--rounds", str(args.rounds)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    try:
+        subprocess.run(cmd, check=True, env=env)
+        with open(out) as f:
+            rows = json.load(f)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    print(_table(rows, args))
+    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
+    with open(args.results, "w") as f:
+        json.dump({"model": args.model, "world": args.world, "stage": args.stage, "steps": args.steps,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
