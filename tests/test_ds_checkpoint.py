@@ -3,9 +3,12 @@ DeepSpeed continues them (DeepSpeed 0.19.8 as the oracle, gloo, ``DS_ACCELERATOR
 
 World 2: DeepSpeed trains ``N`` steps of the tiny MLP, saves at ZeRO s and goes on for ``M`` steps (its
 uninterrupted run); shardspeed at ZeRO t, built from another seed, loads the checkpoint and trains the same
-``M`` steps: the losses equal DeepSpeed's to 1e-6 for every s and t in 0-3 (fp32), and for bf16 (saved at
-ZeRO 1) and fp16 (ZeRO 2; DeepSpeed refuses fp16 on its CPU accelerator, so the test lets it: its ZeRO
-path runs on CPU tensors) at a looser 1e-3. DeepSpeed's universal layout (``ds_to_universal``) loads the
+``M`` steps: the losses equal DeepSpeed's to 1e-6 for every s and t in 0-3 (fp32), for bf16 (saved at
+ZeRO 0, 1, 3), and for fp16 (ZeRO 2, with its dynamic loss scale moving; DeepSpeed refuses fp16 on its CPU
+accelerator, so the test lets it: its ZeRO path runs on CPU tensors) to 1e-3, where DeepSpeed's run and
+ours differ by one fp16 rounding with or without a checkpoint (the loaded run equals ours uninterrupted
+exactly, and the scale goes on from DeepSpeed's); also a tied-embedding model, a frozen layer and
+two parameter groups. DeepSpeed's universal layout (``ds_to_universal``) loads the
 same way. Round trip: shardspeed saves, ``shardspeed convert`` writes DeepSpeed's layout for world 2 at
 ZeRO t, and DeepSpeed continues with the losses shardspeed's own run has. World 4: the world-2 checkpoints
 load at another world size and stage, and the parameters and Adam moments then saved equal DeepSpeed's
@@ -29,8 +32,13 @@ pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 N, M = 2, 3
-FP32_TOL, LOW_TOL = 1e-6, 1e-3
+TOL = 1e-6  # fp32 and bf16: the continued runs come out bit-equal
+#: fp16 with a moving loss scale: DeepSpeed's ZeRO-2 and ours differ by one fp16 rounding of a loss at scale
+#: 512, checkpoint or not; the loaded run equals our own uninterrupted one exactly
+FP16_TOL = 1e-3
 WORLD4_CASES = [(0, 1), (1, 2), (2, 3), (3, 0)]  # (DeepSpeed's stage at world 2, ours at world 4)
+#: (DeepSpeed's stage, dtype, ours)
+LOW_PRECISION_CASES = [(1, "bf16", 0), (1, "bf16", 3), (0, "bf16", 1), (3, "bf16", 2), (2, "fp16", 1), (2, "fp16", 3)]
 #: (model, DeepSpeed's stage, ours): tied weights, a frozen layer, two optimizer groups
 EXTRA_CASES = [("tied", 3, 1), ("tied", 0, 2), ("mlp_frozen", 1, 3), ("mlp_frozen", 3, 0), ("groups", 0, 3),
                ("groups", 3, 2)]
@@ -44,7 +52,7 @@ def _config(stage: int, dtype: str = "fp32") -> dict:
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}  # the scale moves
     return cfg
 
 
@@ -110,7 +118,8 @@ def _ds_run(ds, base: str, stage: int, dtype: str, batches, kind: str = "mlp") -
     _train(engine, batches[:N])
     engine.save_checkpoint(f"{base}/{kind}{stage}{dtype}", client_state={"marker": stage})
     state = _ds_state(engine, stage) if dtype == "fp32" and kind == "mlp" else None
-    return {"losses": _train(engine, batches[N:]), "state": state}
+    losses = _train(engine, batches[N:])
+    return {"losses": losses, "state": state, "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None}
 
 
 def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None, kind: str = "mlp") -> Dict[str, Any]:
@@ -120,7 +129,8 @@ def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None, kin
     engine, *_ = shardspeed.initialize(model=model, config=_config(stage, dtype), model_parameters=params)
     _, client = engine.load_checkpoint(load_dir, tag=tag)
     steps = engine.global_steps
-    return {"losses": _train(engine, batches[N:]), "client": client, "steps": steps}
+    losses = _train(engine, batches[N:])
+    return {"losses": losses, "client": client, "steps": steps, "scale": float(engine.loss_scale)}
 
 
 def _round_trip(ds, base: str, stage: int, batches) -> Dict[str, List[float]]:
@@ -177,9 +187,11 @@ def _errors(base: str) -> Dict[str, Any]:
 def _world2(base: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
+    import shardspeed
+
     ds = _deepspeed()
     batches = make_batches("mlp", N + M, 4)
-    out: Dict[str, Any] = {"ds": {}, "ours": {}, "rt": {}}
+    out: Dict[str, Any] = {"ds": {}, "ours": {}, "rt": {}, "fresh": {}}
     for stage in range(4):
         out["ds"][(stage, "fp32")] = _ds_run(ds, base, stage, "fp32", batches)
     out["ds"][(1, "bf16")] = _ds_run(ds, base, 1, "bf16", batches)
@@ -187,8 +199,13 @@ def _world2(base: str) -> Dict[str, Any]:
     for s in range(4):
         for t in range(4):
             out["ours"][(s, "fp32", t)] = _ours_continue(f"{base}/mlp{s}fp32", t, "fp32", batches)
-    for s, dtype, t in ((1, "bf16", 0), (1, "bf16", 3), (2, "fp16", 1), (2, "fp16", 3)):
+    for s, dtype in ((0, "bf16"), (3, "bf16")):
+        out["ds"][(s, dtype)] = _ds_run(ds, base, s, dtype, batches)
+    for s, dtype, t in LOW_PRECISION_CASES:
         out["ours"][(s, dtype, t)] = _ours_continue(f"{base}/mlp{s}{dtype}", t, dtype, batches)
+        if dtype == "fp16":  # our own uninterrupted run
+            engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_config(t, dtype))
+            out["fresh"][(dtype, t)] = _train(engine, batches)[N:]
     for kind, s, t in EXTRA_CASES:
         out["ds"][(kind, s)] = _ds_run(ds, base, s, "fp32", make_batches(kind, N + M, 4), kind)
         out["ours"][(kind, s, t)] = _ours_continue(f"{base}/{kind}{s}fp32", t, "fp32", make_batches(kind, N + M, 4),
@@ -235,27 +252,30 @@ def test_every_stage_continues_deepspeeds_run(results):
             continue
         s, dtype, t = case
         want = r["ds"][(s, dtype)]["losses"]
-        _close(got["losses"], want, FP32_TOL if dtype == "fp32" else LOW_TOL, f"DeepSpeed ZeRO {s} {dtype} -> ours {t}")
+        _close(got["losses"], want, FP16_TOL if dtype == "fp16" else TOL, f"DeepSpeed ZeRO {s} {dtype} -> ours {t}")
         assert got["steps"] == N and got["client"] == {"marker": s}
+        if dtype == "fp16":  # the dynamic loss scale went on from where DeepSpeed's was (doubling every 2 steps)
+            assert got["scale"] == r["ds"][(s, dtype)]["scale"] > 2 ** 8, (s, t, got["scale"])
+            assert got["losses"] == r["fresh"][(dtype, t)], (s, t)
 
 
 def test_tied_frozen_and_grouped_models_continue(results):
     _, r = results
     for kind, s, t in EXTRA_CASES:
         got = r["ours"][(kind, s, t)]
-        _close(got["losses"], r["ds"][(kind, s)]["losses"], FP32_TOL, f"{kind}: DeepSpeed ZeRO {s} -> ours {t}")
+        _close(got["losses"], r["ds"][(kind, s)]["losses"], TOL, f"{kind}: DeepSpeed ZeRO {s} -> ours {t}")
         assert got["steps"] == N
 
 
 def test_universal_layout_continues(results):
     _, r = results
-    _close(r["universal"]["losses"], r["ds"][(3, "fp32")]["losses"], FP32_TOL, "universal -> ours 1")
+    _close(r["universal"]["losses"], r["ds"][(3, "fp32")]["losses"], TOL, "universal -> ours 1")
 
 
 def test_round_trip_through_deepspeeds_layout(results):
     _, r = results
     for stage, got in r["rt"].items():
-        _close(got["deepspeed"], got["ours"], FP32_TOL, f"ours -> DeepSpeed ZeRO {stage}")
+        _close(got["deepspeed"], got["ours"], TOL, f"ours -> DeepSpeed ZeRO {stage}")
         assert got["marker"] == stage
 
 
