@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 D, HID = 8, 16
 
@@ -23,16 +24,22 @@ def expert_mlp() -> nn.Module:
 
 
 class MoENet(nn.Module):
-    def __init__(self, moe_cls, num_experts: int, ep_size: int, aux: float = 0.01, **moe_kwargs):
+    def __init__(self, moe_cls, num_experts: int, ep_size: int, aux: float = 0.01, checkpoint: bool = False,
+                 **moe_kwargs):
         super().__init__()
+        self.checkpoint = checkpoint  # the MoE layer under torch's (non-reentrant) activation checkpointing
         self.fc_in = nn.Linear(D, D)
         self.moe = moe_cls(D, expert_mlp(), num_experts=num_experts, ep_size=ep_size, **moe_kwargs)
         self.fc_out = nn.Linear(D, D)
         self.aux = aux
 
     def forward(self, x, y):
-        h, l_aux, _ = self.moe(torch.tanh(self.fc_in(x)))
-        return F.mse_loss(self.fc_out(h), y) + self.aux * l_aux
+        h = torch.tanh(self.fc_in(x))
+        if self.checkpoint:
+            h, l_aux, _ = torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
+        else:
+            h, l_aux, _ = self.moe(h)
+        return F.mse_loss(self.fc_out(h).float(), y.float()) + self.aux * l_aux
 
 
 def expert_weights(num_experts: int, seed: int = 7) -> List[Dict[str, torch.Tensor]]:

@@ -140,8 +140,8 @@ def grouped_mm(x: Tensor, w: Tensor, counts: List[int]) -> Tensor:
 def padded_bmm(x: Tensor, w: Tensor, counts: List[int]) -> Tensor:
     """:func:`grouped_mm` as one ``bmm`` over groups padded to the largest count."""
     e, width = len(counts), max(counts) if counts else 0
-    if width == 0:
-        return x.new_zeros(0, w.shape[-1]) + 0 * w.sum()
+    if width == 0:  # no rows: still tied to x and w, so that autograd runs this rank's backward collectives
+        return x.new_zeros(0, w.shape[-1]) + 0 * w.sum() + 0 * x.sum()
     rows = torch.cat([torch.arange(n, device=x.device) + i * width for i, n in enumerate(counts)])
     padded = x.new_zeros(e * width, x.shape[-1]).index_copy(0, rows, x)
     out = torch.bmm(padded.view(e, width, -1), w)

@@ -185,6 +185,15 @@ class MoE(nn.Module):
             self.deepspeed_moe._set_ep_group(group)
         self.deepspeed_moe.experts.set_expert_slice(ep_rank if self.ep_size > 1 else 0, self.ep_size)
 
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """DeepSpeed's name: take the current engine's expert group (``shardspeed.utils.groups``); initialize
+        already did this for the layers of its model."""
+        from ..utils import groups
+
+        if use_data_before_expert_parallel_:
+            raise ValueError("use_data_before_expert_parallel_=True is not supported (expert ranks are neighbours)")
+        self.set_expert_parallel(groups._get_expert_parallel_group(), groups._get_expert_parallel_rank())
+
     def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
         args = (hidden_states,) if used_token is None else (hidden_states, used_token)
         output = self.deepspeed_moe(*args)
