@@ -147,10 +147,54 @@ def world2():
     return run_distributed(_groups, 2, WORLD2, timeout=400)
 
 
+def _resharded(tmp: str) -> Dict[str, Any]:
+    """Save at EP 2 × DP 2 (ZeRO 2), continue; load into EP 4, EP 1 × DP 4 and EP 2 at ZeRO 3, continue."""
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.moe.layer import MoE
+    from shardspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    rank = dist.get_rank()
+    data = _data(4) * 2
+
+    def engine_at(ep: int, stage: int):
+        net = _net(MoE, ep, rank % ep, dict(k=2, use_rts=False, drop_tokens=False,
+                                             top2_2nd_expert_sampling=False))
+        return shardspeed.initialize(model=net, config=_config(stage),
+                                     model_parameters=split({"params": list(net.parameters()), "name": "d"}))[0]
+
+    def run(engine, batches):
+        out = []
+        for xs, ys in batches:
+            loss = engine(xs[rank], ys[rank])
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            out.append(float(mean) / 4)
+        return out
+
+    engine = engine_at(2, 2)
+    run(engine, data[:2])
+    engine.save_checkpoint(tmp, tag="ep2")
+    out: Dict[str, Any] = {"cont": run(engine, data[2:4])}
+    for ep, stage in ((4, 2), (1, 1), (2, 3)):
+        engine = engine_at(ep, stage)
+        engine.load_checkpoint(tmp, tag="ep2")
+        out[f"ep{ep}"] = run(engine, data[2:4])
+    return out
+
+
+def _world4(tmp: str):
+    return _groups(WORLD4), _resharded(tmp)
+
+
 @pytest.fixture(scope="module")
-def world4():
+def world4(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    return run_distributed(_groups, 4, WORLD4, timeout=400)
+    results = run_distributed(_world4, 4, str(tmp_path_factory.mktemp("moe_reshard")), timeout=400)
+    return [r[0] for r in results], results[0][1]
 
 
 @pytest.mark.parametrize("spec", WORLD2, ids=["ep2-stages", "ep2-gates", "ep1-dp2", "ckpt-bf16"])
@@ -160,4 +204,12 @@ def test_world2_against_deepspeed_and_reference(world2, spec):
 
 @pytest.mark.parametrize("spec", WORLD4, ids=["ep4", "ep2-dp2"])
 def test_world4_against_deepspeed_and_reference(world4, spec):
-    _check(world4, 4, spec)
+    _check(world4[0], 4, spec)
+
+
+def test_checkpoint_at_ep2_loads_at_ep4_ep1_and_stage3(world4):
+    """Expert rows are keyed by global expert id: the EP 2 × DP 2 save continues alike at EP 4, at EP 1 × DP 4
+    (ZeRO 1) and at EP 2 with ZeRO 3."""
+    out = world4[1]
+    for key in ("ep4", "ep1", "ep2"):
+        assert out[key] == pytest.approx(out["cont"], rel=1e-5, abs=1e-6), key
