@@ -22,7 +22,10 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "shardspeed"])
+        # transformers' model code costs seconds per rank to import (torch.distributed.tensor, its loaders):
+        # imported once in the server, a rank of a transformers test starts without it (skipped if absent)
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "shardspeed",
+                                     "transformers.models.llama.modeling_llama"])
     return _CTX
 
 

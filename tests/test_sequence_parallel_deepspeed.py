@@ -1,7 +1,10 @@
 """The sequence-parallel loop of tests/sp_cases.py under DeepSpeed 0.19.8's Ulysses (ALST API, SP 2, world 2,
 ZeRO 2 and 3, ``DS_ACCELERATOR=cpu``) gives the losses of the model without SP, as shardspeed does
 (tests/test_sequence_parallel.py). No clipping here: DeepSpeed sums SP ranks' gradients without dividing
-(its gradients are P times the true ones), which Adam does not see but a clipped norm would."""
+(its gradients are P times the true ones), which Adam does not see but a clipped norm would.
+
+Time: the optimizer is torch's AdamW (the reference's) passed in: the config's "AdamW" makes DeepSpeed
+JIT-load its CPU FusedAdam, probing the CPU in subprocesses (~5 s per rank)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def _deepspeed_vs_reference(stages):
     import deepspeed
     import sp_cases as C
+    import torch
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -32,7 +36,9 @@ def _deepspeed_vs_reference(stages):
         if mpu is None:  # DeepSpeed replaces the "sdpa" entry process-wide, once
             mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
         cfg = dict(C.config(stage, 2), gradient_clipping=0.0)
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, model_parameters=model.parameters())
+        del cfg["optimizer"]
+        opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.0)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, optimizer=opt)
         group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
         losses = []
         for step in steps:
