@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from ..errors import ConfigError
 from .experts import grouped_mm, mark_expert_slice, padded_bmm, tag_expert_param
 
 #: transformers' MoE block classes AutoEP converts, by preset_model
@@ -60,7 +61,7 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         total = int(experts.get_parameter("gate_up_proj").shape[0])
         if total % ep_size:
-            raise ValueError(f"AutoEP: {total} experts are not divisible by expert_parallel.autoep_size {ep_size}")
+            raise ConfigError(f"expert_parallel.autoep_size {ep_size} must divide the model's {total} experts")
         self.num_experts, self.num_local_experts = total, total // ep_size
         self.ep_rank, self.ep_size, self.group = ep_rank, ep_size, group
         self.use_grouped_mm = use_grouped_mm
@@ -127,7 +128,7 @@ def moe_blocks(model: nn.Module, preset: Optional[str], layer_pattern: Optional[
     """(name, block) of every MoE block to convert: of the preset's class (any known one when None), or whose
     name matches ``layer_pattern``, with stacked experts under ``expert_attr``."""
     if preset is not None and preset not in PRESET_BLOCKS:
-        raise ValueError(f"expert_parallel.preset_model {preset!r}: AutoEP knows {sorted(PRESET_BLOCKS)} (experts "
+        raise ConfigError(f"expert_parallel.preset_model {preset!r}: AutoEP knows {sorted(PRESET_BLOCKS)} (experts "
                          f"stacked as gate_up_proj / down_proj); GPT-OSS's biased experts are not supported")
     classes = {PRESET_BLOCKS[preset]} if preset is not None else set(PRESET_BLOCKS.values())
     found = []
@@ -136,7 +137,7 @@ def moe_blocks(model: nn.Module, preset: Optional[str], layer_pattern: Optional[
         experts = getattr(m, expert_attr, None)
         if chosen and isinstance(experts, nn.Module) and not isinstance(experts, ExpertParallelExperts):
             if not all(hasattr(experts, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
-                raise ValueError(f"AutoEP: {name}.{expert_attr} ({type(experts).__name__}) does not hold stacked "
+                raise ConfigError(f"expert_parallel: {name}.{expert_attr} ({type(experts).__name__}) does not hold stacked "
                                  f"gate_up_proj / down_proj experts; it cannot be converted")
             found.append((name, m))
     return found
@@ -152,7 +153,7 @@ def convert_model(model: nn.Module, cfg: Any, group, ep_rank: int, ep_size: int)
     attr = cfg.expert_pattern or "experts"
     blocks = moe_blocks(model, preset, cfg.moe_layer_pattern, attr)
     if not blocks:
-        raise ValueError(f"expert_parallel.enabled: no MoE block found in {type(model).__name__} (preset "
+        raise ConfigError(f"expert_parallel.enabled: no MoE block found in {type(model).__name__} (preset "
                          f"{preset!r}, moe_layer_pattern {cfg.moe_layer_pattern!r})")
     for _, block in blocks:
         setattr(block, attr, ExpertParallelExperts(getattr(block, attr), group, ep_rank, ep_size,

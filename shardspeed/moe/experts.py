@@ -126,11 +126,16 @@ def _register(root: nn.Module, dotted: str, p: nn.Parameter) -> None:
 
 def grouped_mm(x: Tensor, w: Tensor, counts: List[int]) -> Tensor:
     """Rows of ``x`` (``[sum(counts), k]``, grouped by expert) times their expert's ``w`` (``[e, k, n]``):
-    one ``torch._grouped_mm`` where the build has it for these dtypes, else a padded ``bmm`` (each group
-    padded to the largest). Returns ``[sum(counts), n]``."""
-    if hasattr(torch, "_grouped_mm") and x.dtype == torch.float32 and w.dtype == torch.float32 and x.numel():
+    one ``torch._grouped_mm`` where the build has it for these dtypes (CPU: fp32; CUDA: bf16), else a padded
+    ``bmm`` (each group padded to the largest; also when the kernel refuses the shapes). Returns
+    ``[sum(counts), n]``."""
+    kernel_dtype = {"cpu": torch.float32, "cuda": torch.bfloat16}.get(x.device.type)
+    if hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == kernel_dtype and x.numel():
         offs = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-        out = torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+        try:
+            out = torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+        except RuntimeError:  # e.g. strides not a multiple of 16 bytes: the padded bmm computes the same
+            return padded_bmm(x, w, counts)
         if out.requires_grad:  # its CPU backward needs a dense gradient (an expanded one has zero strides)
             out.register_hook(lambda g: g.contiguous())
         return out

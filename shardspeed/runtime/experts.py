@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Collectives, CommsLogger
 from ..config.expert import ExpertParallelConfig
+from ..errors import ConfigError
 from ..mesh.topology import Topology
 from ..moe.autoep import convert_model
 from ..moe.layer import MoE
@@ -49,8 +50,8 @@ def prepare_experts(model: nn.Module, plan: Plan, topo: Topology, autoep: Expert
     for m in model.modules():
         if isinstance(m, MoE):
             if m.ep_size not in (1, ep):
-                raise ValueError(f"MoE layer with ep_size {m.ep_size} in a mesh whose expert size is {ep}: every "
-                                 f"layer's ep_size must be 1 or {ep}")
+                raise ConfigError(f"MoE(ep_size={m.ep_size}) in a model whose expert dimension is {ep} (its largest "
+                                  f"ep_size, or expert_parallel.autoep_size): every layer's ep_size must be 1 or {ep}")
             m.set_expert_parallel(topo.expert_group, topo.expert_rank)
     if ep == 1:
         return ExpertParts()
