@@ -7,7 +7,8 @@ grows, and all-to-all bytes per step against theory.
 The model: ``layers`` residual blocks ``x + MoE(LayerNorm(x))``, each MoE of ``experts`` MLPs d -> 4d -> d (top-1,
 capacity factor 1, DeepSpeed's defaults otherwise), then a linear head and an MSE loss; fp32, AdamW (torch's),
 ZeRO stage 2 (DeepSpeed's MoE runs at ZeRO 0-2 here). World 4: shardspeed at EP 1, 2 and 4 (EP x DP = 4), DeepSpeed
-at EP 1 and 2 (its CPU build trains MoE at EP 1-2). Every system's 4 ranks are fresh processes, all alive at once;
+at EP 1 and 2 (its CPU build trains MoE at EP 1-2), and shardspeed at EP 2 with the exchange overlapped with the
+experts in 2 capacity chunks (off by default on gloo). Every system's 4 ranks are fresh processes, all alive at once;
 the coordinator runs a block of steps of one system at a time, rotating the order each round (so the load of
 this shared box hits all alike); tokens/s is the global tokens of a step over its median time, ratios from the
 same rounds.
@@ -111,6 +112,10 @@ def _worker(system: str, ep: int, shape: dict, rank: int, port: int, cmd_q, res_
         reset_peak_rss()
         before = proc_status_kb("VmRSS")
         net = _model(MoE, shape["layers"], shape["d"], shape["experts"], ep)
+        if system == "shardspeed-overlap":  # the exchange in 2 capacity chunks overlapped with the experts
+            for m in net.modules():
+                if hasattr(m, "overlap_chunks"):
+                    m.overlap_chunks = 2
         total = sum(p.numel() for p in net.parameters())
         engine, *_ = initialize(model=net, config=_config(shape["micro"]),
                                 model_parameters=split({"params": list(net.parameters()), "name": "dense"}))
@@ -200,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per block (after one warm-up block)")
     args = ap.parse_args(argv)
     shape = dict(layers=2 if args.quick else 12, d=256, experts=8, micro=2, seq=32)
-    systems = [("shardspeed", 1), ("shardspeed", 2), ("shardspeed", 4), ("deepspeed", 1), ("deepspeed", 2)]
+    systems = [("shardspeed", 1), ("shardspeed", 2), ("shardspeed", 4), ("shardspeed-overlap", 2), ("deepspeed", 1),
+               ("deepspeed", 2)]
     groups = [Group(s, ep, shape) for s, ep in systems]
     built = {g.name: g.collect("ready")[0]["params_built"] for g in groups}
     times = {g.name: [] for g in groups}
@@ -228,13 +234,12 @@ def main(argv=None) -> int:
                      "a2a_calls": a2a[g.name][1], "a2a_theory_msg_bytes": f["a2a_msg_bytes"],
                      "a2a_theory_sent_bytes": f["a2a_sent_bytes"]})
     by = {r["system"]: r for r in rows}
-    for ep in (1, 2):
-        by[f"shardspeed@ep{ep}"]["vs_deepspeed"] = (by[f"deepspeed@ep{ep}"]["step_s"]
-                                                    / by[f"shardspeed@ep{ep}"]["step_s"])
-    print(f"{'system':16} {'params':>10} {'step s':>8} {'tok/s':>8} {'vs DS':>6} {'RSS MiB':>8} {'formula':>8} "
+    for name, ep in (("shardspeed", 1), ("shardspeed", 2), ("shardspeed-overlap", 2)):
+        by[f"{name}@ep{ep}"]["vs_deepspeed"] = by[f"deepspeed@ep{ep}"]["step_s"] / by[f"{name}@ep{ep}"]["step_s"]
+    print(f"{'system':22} {'params':>10} {'step s':>8} {'tok/s':>8} {'vs DS':>6} {'RSS MiB':>8} {'formula':>8} "
           f"{'a2a B/step':>12} {'theory':>12}")
     for r in rows:
-        print(f"{r['system']:16} {r['params']:>10} {r['step_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
+        print(f"{r['system']:22} {r['params']:>10} {r['step_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
               f"{r.get('vs_deepspeed', float('nan')):>6.2f} {r['peak_rss_delta_mib']:>8.1f} "
               f"{r['states_formula_mib']:>8.1f} {r['a2a_msg_bytes']:>12.0f} {r['a2a_theory_msg_bytes']:>12.0f}")
     out = os.path.join(ROOT, "benchmarks", "results", "bench_moe" + ("-quick" if args.quick else "") + ".json")

@@ -41,6 +41,8 @@ def _net(moe_cls, ep: int, ep_rank: int, kw: Dict[str, Any]) -> MoENet:
     torch.manual_seed(0)
     net = MoENet(moe_cls, E, ep, min_capacity=4, checkpoint=kw.get("_ckpt", False),
                  **{k: v for k, v in kw.items() if not k.startswith("_")})
+    if "_overlap" in kw:  # the exchange in capacity chunks overlapped with the experts (gloo: off by default)
+        net.moe.deepspeed_moe.overlap_chunks = kw["_overlap"]
     load_experts(net, expert_weights(E), ep_rank)
     return net
 
@@ -136,7 +138,8 @@ WORLD2 = [(2, (0, 1, 2, 3), CASES[:1], True),  # EP 2: every stage (DeepSpeed at
           (2, (2, 3), CASES[1:], True),  # the other gates and capacities
           (1, (2,), CASES[:1], True),  # EP 1 × DP 2: the experts are dense parameters
           (2, (3,), [("top1-rts-ckpt", dict(k=1, _ckpt=True)),  # activation checkpointing replays the draws
-                     ("top2-bf16", dict(k=2, capacity_factor=0.5, _bf16=True))], False)]
+                     ("top2-bf16", dict(k=2, capacity_factor=0.5, _bf16=True)),
+                     ("top2-overlap", dict(k=2, capacity_factor=0.5, _overlap=3))], False)]
 WORLD4 = [(4, (3,), [CASES[2]], False),  # EP 4 (DeepSpeed's MoE here: EP 1-2 only)
           (2, (2, 3), [CASES[0]], True)]  # EP 2 × DP 2
 
@@ -197,7 +200,7 @@ def world4(tmp_path_factory):
     return [r[0] for r in results], results[0][1]
 
 
-@pytest.mark.parametrize("spec", WORLD2, ids=["ep2-stages", "ep2-gates", "ep1-dp2", "ckpt-bf16"])
+@pytest.mark.parametrize("spec", WORLD2, ids=["ep2-stages", "ep2-gates", "ep1-dp2", "ckpt-bf16-overlap"])
 def test_world2_against_deepspeed_and_reference(world2, spec):
     _check(world2, 2, spec)
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .experts import Experts
 from .gating import Routes, multiplicative_jitter, top1gating, top2gating, topkgating
+from .overlap import overlapped_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,10 +123,21 @@ class MOELayer(nn.Module):
         self.use_tutel = False  # tutel's kernels are not used; the gather dispatch does the same job
         self.l_aux: Optional[Tensor] = None
         self.exp_counts: Optional[Tensor] = None
+        #: capacity chunks whose exchanges overlap the experts' compute (:mod:`.overlap`); None: decided with
+        #: the group (2 on NCCL, 1 on gloo, whose CPU ranks share the cores the exchange would overlap with)
+        self.overlap_chunks: Optional[int] = None
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
+        if self.overlap_chunks is None and ep_group is not None:
+            self.overlap_chunks = 2 if dist.get_backend(ep_group) == "nccl" else 1
+
+    def _run_experts(self, buf: Tensor) -> Tensor:
+        """``[experts, rows, d]`` received (blocks by source rank, then local expert) → the experts' outputs."""
+        e, rows, d = buf.shape
+        out = self.experts(buf.reshape(self.ep_size, self.num_local_experts, rows, d))
+        return out.reshape(e, rows, out.shape[-1])
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:  # noqa: A002 - DeepSpeed's signature
         d = input[0].shape[-1]
@@ -138,9 +150,13 @@ class MOELayer(nn.Module):
             if self.ep_group is None:
                 raise RuntimeError(f"MoE layer with ep_size {self.ep_size} has no expert-parallel group: build the "
                                    f"engine with shardspeed.initialize before the first forward")
+            chunks = min(self.overlap_chunks or 1, routes.capacity)
+            if chunks > 1:
+                out = overlapped_experts(self.ep_group, buf, self._run_experts, chunks)
+                return combine(out.reshape(-1, out.shape[-1]), routes, tokens.size(0)).reshape(
+                    input[0].shape[:-1] + (-1,))
             buf = all_to_all(self.ep_group, buf)
-        out = self.experts(buf.reshape(self.ep_size, self.num_local_experts, -1, d))
-        out = out.reshape(self.ep_size * self.num_local_experts, -1, out.shape[-1])
+        out = self._run_experts(buf)
         if self.ep_size > 1:
             out = all_to_all(self.ep_group, out)
         return combine(out.reshape(-1, out.shape[-1]), routes, tokens.size(0)).reshape(input[0].shape[:-1] + (-1,))
