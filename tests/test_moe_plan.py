@@ -44,3 +44,17 @@ def test_all_to_all_bytes():
     # 16 tokens, 4 experts, top-1, capacity 4: buffer 4 x 4 x 8 fp32 = 512 B; half leaves the rank, 4 exchanges
     assert capacity_all_to_all(16, 8, 4, 2).per_layer == 4 * 512 / 2
     assert routed_all_to_all(16, 8, 2, k=2, layers=3).per_step == 3 * 4 * (16 * 2 * 8 * 4) / 2
+
+
+def test_autotuner_prices_experts_per_rank():
+    """The cost model's model states of an MoE job: dense over data × expert, experts / EP over expert-data."""
+    from shardspeed.autotune.model import ModelInfo, StateMemoryModel
+    from shardspeed.autotune.space import Candidate
+
+    info = ModelInfo(num_params=140, largest_unit=10, num_units=4, dtype="fp32", world_size=4, device_is_host=False,
+                     expert_params=40, ep_size=2)
+    for stage in (0, 1, 3):
+        cand = Candidate(stage, 2, 1)
+        plan = StateMemoryModel(info).plan(cand)
+        assert plan.mesh.expert == 2
+        assert StateMemoryModel(info).states(cand)[0] == pytest.approx(moe_model_states(plan, 100, 40).total)

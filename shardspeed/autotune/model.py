@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from shardspeed.estimate import model_states, plan_for
+from shardspeed.estimate.experts import moe_model_states
 from shardspeed.plan import Plan
 
 from .space import Candidate, apply_candidate
@@ -73,6 +74,10 @@ class ModelInfo:
     #: forward and twice in backward; 0 when the model's shape is unknown (then no TP candidate is searched)
     tp_layers: int = 0
     tp_elems_per_sample: int = 0
+    #: mixture of experts: of ``num_params``, the parameters of all experts (``ep_size`` ranks share them: each
+    #: holds 1/ep_size, sharded over its expert-data group; :mod:`shardspeed.estimate.experts`)
+    expert_params: int = 0
+    ep_size: int = 1
 
     @property
     def bytes_per_param(self) -> int:
@@ -95,7 +100,8 @@ def candidate_plan(info: ModelInfo, c: Candidate) -> Plan:
     base: Dict[str, Any] = {"zero_optimization": {"reduce_bucket_size": info.default_bucket}}
     if info.dtype != "fp32":
         base[info.dtype] = {"enabled": True}
-    return plan_for(apply_candidate(base, c, info.world_size), info.world_size)
+    return plan_for(apply_candidate(base, c, info.world_size), info.world_size,
+                    ep=info.ep_size if info.ep_size > 1 else None)
 
 
 def _elem_bytes(plan: Plan) -> int:
@@ -195,7 +201,9 @@ class StateMemoryModel:
 
     def states(self, c: Candidate) -> Tuple[float, float]:
         """(device, host) bytes of parameters, gradients and optimizer states: the plan's model states."""
-        m = model_states(self.plan(c), self.info.num_params)
+        i = self.info
+        m = (moe_model_states(self.plan(c), i.num_params - i.expert_params, i.expert_params) if i.expert_params
+             else model_states(self.plan(c), i.num_params))
         return (m.device + m.host if self.info.device_is_host else m.device), m.host
 
     def working(self, c: Candidate) -> float:

@@ -76,6 +76,8 @@ class ModelFacts:
     num_params: int
     largest_unit: int  # elements of the largest ZeRO unit (stage 3 gathers one or two at a time)
     num_units: int
+    expert_params: int = 0  # of num_params, this rank's experts (units over the expert-data group)
+    ep_size: int = 1  # the ranks the experts are spread over
 
 
 @dataclass
@@ -124,7 +126,8 @@ class ProfileWindow:
             "train_batch_size": self.train_batch_size, "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "num_params": self.facts.num_params, "largest_unit": self.facts.largest_unit,
-            "num_units": self.facts.num_units,
+            "num_units": self.facts.num_units, "expert_params": self.facts.expert_params,
+            "ep_size": self.facts.ep_size,
         }
         if flops_per_step is not None:
             metrics["FLOPS_per_gpu"] = flops_per_step / step_s
@@ -152,7 +155,11 @@ def build_profile_window(cfg: Any, units: List[Any], device: torch.device) -> Op
     if not at.enabled:
         return None
     sizes = [sum(int(torch.Size(s).numel()) for s in u.shapes) for u in units]
-    facts = ModelFacts(num_params=sum(sizes), largest_unit=max(sizes, default=0), num_units=len(sizes))
+    experts = [u for u in units if getattr(u, "comm", None) is not None]  # over the expert-data group
+    slices = [getattr(p, "tp_slice", None) for u in experts for p in u.params]
+    facts = ModelFacts(num_params=sum(sizes), largest_unit=max(sizes, default=0), num_units=len(sizes),
+                       expert_params=sum(int(torch.Size(s).numel()) for u in experts for s in u.shapes),
+                       ep_size=max((sl.size for sl in slices if sl is not None), default=1))
     path = at.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
     if device.type == "cpu":
         reset_peak_rss()  # count what training holds, not the full model the script built before initialize

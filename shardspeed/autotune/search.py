@@ -286,7 +286,10 @@ class Tuner:
                          device_is_host=not torch.cuda.is_available(),
                          default_bucket=self.user_plan.sharding.reduce_bucket,
                          tp_layers=shape.n_layer if shape else 0,
-                         tp_elems_per_sample=(self.seq_len or shape.max_seq) * shape.hidden if shape else 0)
+                         tp_elems_per_sample=(self.seq_len or shape.max_seq) * shape.hidden if shape else 0,
+                         # this rank's experts (units over the expert-data group): the model has ep_size of them
+                         expert_params=int(infos.get("expert_params", 0)) * int(infos.get("ep_size", 1)),
+                         ep_size=int(infos.get("ep_size", 1)))
         memory = EstimatorMemoryModel.create(info, self.user_config, self.model_spec, micro_batch=sizes[0],
                                              seq_len=self.seq_len)
         return CostModel.create(info, link, memory).fit(self._runs)

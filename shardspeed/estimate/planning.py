@@ -42,18 +42,21 @@ def parse(config: Any, micro_batch: Optional[int] = None) -> ShardspeedConfig:
 
 
 def plan_for(config: Any = None, world_size: int = 1, *, tp: Optional[int] = None, pp: Optional[int] = None,
-             mesh: Optional[MeshPlan] = None, micro_batch: Optional[int] = None, zero_init: bool = False) -> Plan:
+             mesh: Optional[MeshPlan] = None, micro_batch: Optional[int] = None, zero_init: bool = False,
+             ep: Optional[int] = None) -> Plan:
     """The plan of training with ``config`` on ``world_size`` ranks. ``pp`` > 1: the model is a pipeline of
     ``pp`` stages (``ModelFacts.pipeline_stages``); ``tp`` > 1: it is split ``tp`` ways as ``tp_model_init``
     would (``ModelFacts.tp_size``); None or 1 leave both to the config (``pipeline.stages``,
     ``tensor_parallel.autotp_size``). ``mesh``: sizes given from elsewhere (a user's mpu). ``micro_batch``:
     the micro-batch of a config that gives no batch size. ``zero_init``: the model is built under
-    ``shardspeed.zero.Init`` (stage 3 only)."""
+    ``shardspeed.zero.Init`` (stage 3 only). ``ep`` > 1: the model's MoE layers spread their experts over ``ep``
+    ranks (``ModelFacts.ep_size``)."""
     for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     facts = ModelFacts(pipeline_stages=pp if pp is not None and pp > 1 else None,
-                       tp_size=tp if tp is not None and tp > 1 else None, built_sharded=zero_init)
+                       tp_size=tp if tp is not None and tp > 1 else None, built_sharded=zero_init,
+                       ep_size=ep if ep is not None and ep > 1 else None)
     return decide(parse(config, micro_batch), world_size, facts, mesh=mesh)
 
 
