@@ -12,12 +12,17 @@ pytest.importorskip("transformers")
 TOL = 1e-5
 CKPT = {"activation_checkpointing": {"enabled": True, "cpu_checkpointing": True}}
 
-# name: (heads, kv_heads, stage, sp, seq, pad_tail, config extra, train_sp keywords)
+# name: (heads, kv_heads, stage, sp, seq, pad_tail, config extra, train_sp keywords and "layers")
 WORLD2 = {
     "ulysses_z0": (4, 2, 0, 2, 16, 0, {}, {}),
     "ulysses_z3": (4, 2, 3, 2, 16, 0, {}, {}),
     "ckpt_offload_tiled_z2": (4, 2, 2, 2, 16, 0, CKPT, {"tiled": 3, "tiled_loss": 3}),
     "ckpt_offload_z3": (4, 2, 3, 2, 16, 0, CKPT, {}),
+    # stage 3 with tiling: the MLP's Linears are units (released between their calls); with 4 layers (a
+    # unit is at most a quarter of the model) whole decoder layers are. (At 4 layers, more tiles or the
+    # tiled loss move a few Adam updates of near-zero gradients by ~1.5e-5, at stage 2 alike: summation order)
+    "tiled_mlp_tiled_loss_z3": (4, 2, 3, 2, 16, 0, {}, {"tiled": 3, "tiled_loss": 3}),
+    "ckpt_offload_tiled_z3_layer_units": (4, 2, 3, 2, 16, 0, CKPT, {"tiled": 2, "layers": 4}),
     "tiled_mlp_z1": (4, 2, 1, 2, 16, 0, {}, {"tiled": 2}),
     "gqa_sp2_kv1_z1": (4, 1, 1, 2, 16, 0, {}, {}),
     "seq13_padded_z2": (4, 2, 2, 2, 13, 5, {}, {}),
@@ -40,9 +45,11 @@ def _cases(cases):
 
     out = {}
     for name, (heads, kv, stage, sp, seq, pad_tail, extra, kw) in cases.items():
+        kw = dict(kw)
+        layers = kw.pop("layers", 2)
         steps = C.batches(dist.get_world_size() // sp, 1, seq, pad_tail=pad_tail)
-        ref = C.reference(C.llama(heads, kv), steps)
-        got = C.train_sp(C.llama(heads, kv), C.config(stage, sp, **extra), steps, **kw)
+        ref = C.reference(C.llama(heads, kv, layers), steps)
+        got = C.train_sp(C.llama(heads, kv, layers), C.config(stage, sp, **extra), steps, **kw)
         out[name] = dict(C.max_diff(got, ref), losses=got["losses"])
     return out
 

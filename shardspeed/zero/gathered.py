@@ -88,3 +88,35 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
                     info.collectives.broadcast(full, modifier_rank)
                 info.write_full(full)
             p.data = placeholder
+
+
+def _in_autograd() -> bool:
+    """Autograd is running a backward (a custom function's backward, a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextmanager
+def gathered_for_compute(params: Iterable[torch.Tensor]):
+    """Stage-3 ``params`` whole for a computation that takes them as tensors, e.g. a tiled function
+    (autograd records its inputs' shapes when it is applied, and its tiles call the parameters' modules
+    many times). In a forward (or outside one) the units are gathered through their manager and held,
+    reference-counted as a module's forward holds them, so those modules' hooks do not release them between
+    tiles; released on exit unless something else holds them. In a backward they are gathered as the
+    backward's units (released when their gradients are in, or at its end). Stages 0-2: nothing to do.
+    Every rank must enter it (the gathers are collective)."""
+    units = _units_of(params)
+    backward = _in_autograd()
+    for unit, manager in units:
+        if backward:
+            manager._pre_backward([unit.index])
+        else:
+            manager._refs[unit.index] += 1
+            manager._gather(unit.index)
+    try:
+        yield
+    finally:
+        if not backward:
+            for unit, manager in units:
+                manager._refs[unit.index] -= 1
+                if manager._refs[unit.index] == 0:
+                    manager._release(unit.index)

@@ -9,7 +9,9 @@
 
 Unlike DeepSpeed's, the parameters a tile uses are inputs of the autograd function: their gradient, summed
 over the tiles, arrives once per call, as from an untiled layer, so gradient hooks (ZeRO's reducer) need no
-per-tile flags.
+per-tile flags. At ZeRO stage 3 they are gathered (:func:`~shardspeed.zero.gathered.gathered_for_compute`)
+before the function is applied (autograd records their whole shapes), held across the tiles of the forward,
+and gathered again for the backward's recompute.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import ConfigError
-from ...zero.tags import is_sharded
+from ...zero.gathered import gathered_for_compute
 
 
 def trainable(module: Optional[nn.Module], params: Optional[Iterable[torch.Tensor]]) -> List[torch.Tensor]:
@@ -33,16 +35,6 @@ def trainable(module: Optional[nn.Module], params: Optional[Iterable[torch.Tenso
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def _unsharded(what: str, params: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``params``, refused when ZeRO stage 3 shards them: a tile's recompute would differentiate against a
-    released parameter (not supported yet)."""
-    if any(is_sharded(p) for p in params):
-        raise ConfigError(f"{what}: its parameters are ZeRO stage-3 shards, not supported yet; tile at "
-                          f"zero_optimization.stage 0-2, or use activation checkpointing (and cpu_checkpointing) "
-                          f"alone at stage 3")
-    return params
 
 
 def tile_bounds(length: int, tiles: int) -> List[Tuple[int, int]]:
@@ -73,20 +65,26 @@ class _Tiles(torch.autograd.Function):
         params = list(ctx.params)
         gx = torch.zeros_like(x) if ctx.needs_input_grad[4] else None
         gp: List[Optional[torch.Tensor]] = [None] * len(params)
-        for i, (a, n) in enumerate(ctx.bounds):
-            xs = x.narrow(x_dim, a, n).detach().requires_grad_(gx is not None)
-            with torch.enable_grad():
-                out = ctx.call(xs, (a, n))
-            g = grad[i] if out_dim is None else grad.narrow(out_dim, a, n)
-            inputs = ([xs] if gx is not None else []) + params
-            grads = list(torch.autograd.grad(out, inputs, g, allow_unused=True))
-            if gx is not None:
-                gx.narrow(x_dim, a, n).copy_(grads.pop(0))
-            for j, gj in enumerate(grads):
-                if gj is not None:
-                    prev = gp[j]
-                    gp[j] = gj if prev is None else prev + gj
+        with gathered_for_compute(params):  # stage 3: the recompute differentiates against whole weights
+            for i, (a, n) in enumerate(ctx.bounds):
+                xs = x.narrow(x_dim, a, n).detach().requires_grad_(gx is not None)
+                with torch.enable_grad():
+                    out = ctx.call(xs, (a, n))
+                g = grad[i] if out_dim is None else grad.narrow(out_dim, a, n)
+                inputs = ([xs] if gx is not None else []) + params
+                grads = list(torch.autograd.grad(out, inputs, g, allow_unused=True))
+                if gx is not None:
+                    gx.narrow(x_dim, a, n).copy_(grads.pop(0))
+                _accumulate(gp, grads)
         return (None, None, None, None, gx, *gp)
+
+
+def _accumulate(total: List[Optional[torch.Tensor]], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """``total[j] += grads[j]`` where ``grads[j]`` is not None (a None total takes it)."""
+    for j, gj in enumerate(grads):
+        if gj is not None:
+            prev = total[j]
+            total[j] = gj if prev is None else prev + gj
 
 
 class TiledMLP(torch.autograd.Function):
@@ -98,8 +96,9 @@ class TiledMLP(torch.autograd.Function):
     def apply(cls, fn: Callable, module: nn.Module, x: torch.Tensor, shards: int,
               compute_params: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
         bounds = tile_bounds(x.shape[-2], int(shards))
-        return _Tiles.apply(lambda xs, _b: fn(module, xs), bounds, x.dim() - 2, x.dim() - 2, x,
-                            *_unsharded("TiledMLP", trainable(module, compute_params)))
+        params = trainable(module, compute_params)
+        with gathered_for_compute(params):
+            return _Tiles.apply(lambda xs, _b: fn(module, xs), bounds, x.dim() - 2, x.dim() - 2, x, *params)
 
 
 class SequenceTiledCompute(torch.autograd.Function):
@@ -127,8 +126,9 @@ class SequenceTiledCompute(torch.autograd.Function):
             return fn(**{grad_requiring_tensor_key: xs}, **tiles, **passed)
 
         out_dim = None if output_unshard_dimension == 0 else output_unshard_dimension
-        out = _Tiles.apply(call, tile_bounds(int(seqlen), int(shards)), 1, out_dim, x,
-                           *trainable(None, compute_params or ()))
+        params = trainable(None, compute_params or ())
+        with gathered_for_compute(params):
+            out = _Tiles.apply(call, tile_bounds(int(seqlen), int(shards)), 1, out_dim, x, *params)
         if output_reduction == "mean":
             return out.mean()
         return out.sum() if output_reduction == "sum" else out
@@ -163,10 +163,7 @@ class _FusedLoss(torch.autograd.Function):
             total += loss.detach().float()
             if gx is not None:
                 gx.narrow(1, a, n).copy_(grads.pop(0))
-            for j, gj in enumerate(grads):
-                if gj is not None:
-                    prev = gp[j]
-                    gp[j] = gj if prev is None else prev + gj
+            _accumulate(gp, grads)
         ctx.grads = (gx, gp)
         return total
 
@@ -198,5 +195,6 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             return fn(module, xs, y.narrow(1, a, n), *extra)
 
         weight = 1.0 / len(bounds) if output_reduction == "mean" else 1.0
-        return _FusedLoss.apply(call, bounds, weight, x,
-                                *_unsharded("TiledFusedLogitsLoss", trainable(module, compute_params)))
+        params = trainable(module, compute_params)
+        with gathered_for_compute(params):  # stage 3: the gradients are computed here, against whole weights
+            return _FusedLoss.apply(call, bounds, weight, x, *params)
