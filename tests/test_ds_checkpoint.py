@@ -9,7 +9,7 @@ accelerator, so the test lets it: its ZeRO path runs on CPU tensors) to 1e-3, wh
 ours differ by one fp16 rounding with or without a checkpoint (the loaded run equals ours uninterrupted
 exactly, and the scale goes on from DeepSpeed's); also a tied-embedding model, a frozen layer and
 two parameter groups. DeepSpeed's universal layout (``ds_to_universal``) loads the
-same way. Round trip: shardspeed saves, ``shardspeed convert`` writes DeepSpeed's layout for world 2 at
+same way (of ZeRO 2 and 3 checkpoints). Round trip: shardspeed saves, ``shardspeed convert`` writes DeepSpeed's layout for world 2 at
 ZeRO t, and DeepSpeed continues with the losses shardspeed's own run has. World 4: the world-2 checkpoints
 load at another world size and stage, and the parameters and Adam moments then saved equal DeepSpeed's
 own (gathered with its ``safe_get_full_*`` API) exactly.
@@ -37,6 +37,8 @@ TOL = 1e-6  # fp32 and bf16: the continued runs come out bit-equal
 #: 512, checkpoint or not; the loaded run equals our own uninterrupted one exactly
 FP16_TOL = 1e-3
 WORLD4_CASES = [(0, 1), (1, 2), (2, 3), (3, 0)]  # (DeepSpeed's stage at world 2, ours at world 4)
+#: (DeepSpeed's stage, ds_to_universal's extra flags): loaded at ZeRO (s + 1) % 4
+UNIVERSAL_CASES = [(3, []), (2, ["--inject_missing_state"])]
 #: (DeepSpeed's stage, dtype, ours)
 LOW_PRECISION_CASES = [(1, "bf16", 0), (1, "bf16", 3), (0, "bf16", 1), (3, "bf16", 2), (2, "fp16", 1), (2, "fp16", 3)]
 #: (model, DeepSpeed's stage, ours): tied weights, a frozen layer, two optimizer groups
@@ -210,13 +212,16 @@ def _world2(base: str) -> Dict[str, Any]:
         out["ds"][(kind, s)] = _ds_run(ds, base, s, "fp32", make_batches(kind, N + M, 4), kind)
         out["ours"][(kind, s, t)] = _ours_continue(f"{base}/{kind}{s}fp32", t, "fp32", make_batches(kind, N + M, 4),
                                                    kind=kind)
-    if dist.get_rank() == 0:  # DeepSpeed's own converter to its universal layout (ZeRO 3: no extra state)
-        args = ["--input_folder", f"{base}/mlp3fp32/global_step2", "--output_folder",
-                f"{base}/mlp3fp32/global_step2_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"] + args, check=True,
-                       capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if dist.get_rank() == 0:  # DeepSpeed's own converter to its universal layout (ZeRO 1-2 need its flag)
+        for s, extra in UNIVERSAL_CASES:
+            args = ["--input_folder", f"{base}/mlp{s}fp32/global_step2", "--output_folder",
+                    f"{base}/mlp{s}fp32/global_step2_universal", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"] + extra
+            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"] + args, check=True,
+                           capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     dist.barrier()
-    out["universal"] = _ours_continue(f"{base}/mlp3fp32", 1, "fp32", batches, tag="global_step2_universal")
+    out["universal"] = {s: _ours_continue(f"{base}/mlp{s}fp32", (s + 1) % 4, "fp32", batches,
+                                          tag="global_step2_universal") for s, _ in UNIVERSAL_CASES}
     for stage in range(4):
         out["rt"][stage] = _round_trip(ds, base, stage, batches)
     out["errors"] = _errors(base)
@@ -269,7 +274,9 @@ def test_tied_frozen_and_grouped_models_continue(results):
 
 def test_universal_layout_continues(results):
     _, r = results
-    _close(r["universal"]["losses"], r["ds"][(3, "fp32")]["losses"], TOL, "universal -> ours 1")
+    for s, got in r["universal"].items():
+        _close(got["losses"], r["ds"][(s, "fp32")]["losses"], TOL, f"universal of ZeRO {s} -> ours {(s + 1) % 4}")
+        assert got["steps"] == N
 
 
 def test_round_trip_through_deepspeeds_layout(results):

@@ -3,16 +3,18 @@
 DeepSpeed pickles a few of its own objects into its checkpoints (``ZeroStageEnum``, ``fragment_address``,
 ``LossScaler``). :func:`load_pt` opens a file through an unpickler that turns every ``deepspeed.*`` class
 into a :class:`Stand` (which keeps the constructor arguments and the attribute state), so no DeepSpeed
-code runs and DeepSpeed need not be installed. Tensors are memory-mapped (``torch.load(mmap=True)``): a
-rank file's bytes are read only where a slice of them is copied out.
+code runs and DeepSpeed need not be installed.
 
-These are pickles: loading one runs whatever the file says, as ``torch.load(weights_only=False)`` does.
-Load only checkpoints you trust.
+Files in ``torch.save``'s zip format are opened lazily (:mod:`.lazy_pt`): tensors are
+:class:`~.lazy_pt.TensorRef` and only the slices asked for are read; other files go through
+``torch.load`` (memory-mapped where it can). These are pickles: loading one runs whatever the file says, as
+``torch.load(weights_only=False)`` does. Load only checkpoints you trust.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
@@ -20,6 +22,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..format import ShardReader
+from .lazy_pt import LazyUnsupported, TensorRef, load_lazy
 
 
 class Stand:
@@ -59,7 +62,7 @@ class _Module:
         def find_class(self, module: str, name: str) -> Any:
             if module == "deepspeed" or module.startswith("deepspeed."):
                 return _stand_class(module, name)
-            return super().find_class(module, name)
+            return super().find_class(module, name)  # (torch.load's own wrapper maps torch's names)
 
     @staticmethod
     def load(f: Any, **kwargs: Any) -> Any:
@@ -68,23 +71,54 @@ class _Module:
     __name__ = "shardspeed_deepspeed_pickle"
 
 
+def _find_class(module: str, name: str) -> Any:
+    """Globals of a pickle: DeepSpeed's classes as stand-ins, anything else as pickle finds it."""
+    if module == "deepspeed" or module.startswith("deepspeed."):
+        return _stand_class(module, name)
+    __import__(module)
+    obj: Any = sys.modules[module]
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_tensor(x: Any) -> bool:
+    return torch.is_tensor(x) or isinstance(x, TensorRef)
+
+
 def load_pt(path: str) -> Any:
-    """The object in ``path``, tensors memory-mapped where the file's format allows (the zip format)."""
+    """The object in ``path``: lazily (:mod:`.lazy_pt`: tensors as :class:`TensorRef`, read slice by slice)
+    where the file is ``torch.save``'s zip format, else through ``torch.load`` (memory-mapped if it can)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_Module)
-    except RuntimeError as exc:  # the legacy (non-zip) format cannot be memory-mapped
-        if "mmap" not in str(exc):
+        return load_lazy(path, _find_class)
+    except LazyUnsupported:
+        pass
+    for mmap in (True, False):
+        try:
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=_Module)
+        except RuntimeError as exc:  # the legacy (non-zip) format cannot be memory-mapped
+            if mmap and "mmap" in str(exc):
+                continue
             raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read ({exc})") from exc
-    except Exception as exc:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read "
-                              f"({type(exc).__name__}: {exc})") from exc
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_Module)
-    except Exception as exc:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read "
-                              f"({type(exc).__name__}: {exc})") from exc
+        except Exception as exc:
+            raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read "
+                                  f"({type(exc).__name__}: {exc})") from exc
+    raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read")
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`TensorRef` read (small state handed to the engine: client state, LR
+    schedule)."""
+    if isinstance(obj, TensorRef):
+        return obj.read(0, obj.numel()).view(obj.shape)
+    if isinstance(obj, dict):
+        return type(obj)((k, materialize(v)) for k, v in obj.items()) if isinstance(obj, OrderedDict) else \
+            {k: materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(materialize(v) for v in obj)
+    return obj
 
 
 def stage_of(value: Any) -> Optional[int]:
@@ -128,7 +162,7 @@ class PtReader(ShardReader):
     :attr:`OPEN_FILES` files are held open (memory-mapped) at a time. DeepSpeed records no checksums:
     ``crc`` is ignored."""
 
-    OPEN_FILES = 4
+    OPEN_FILES = 2  # a range spans two rank files at most; a file dropped from here is unmapped (its pages leave RSS)
 
     def __init__(self, root: str):
         super().__init__(root, verify=False)
@@ -144,11 +178,11 @@ class PtReader(ShardReader):
             self._open.popitem(last=False)
         return obj
 
-    def _tensor(self, file: str, key: str) -> Tuple[torch.Tensor, int, int]:
+    def _tensor(self, file: str, key: str) -> Tuple[Any, int, int]:
         path, lo, hi = parse_key(key)
         where = os.path.join(self.root, file)
         t = field(self.obj(file), path, where)
-        if not torch.is_tensor(t):
+        if not is_tensor(t):
             raise CheckpointError(f"DeepSpeed checkpoint file {where}: field {'/'.join(map(str, path))!r} is not a "
                                   f"tensor")
         if not 0 <= lo <= hi <= t.numel():
@@ -158,8 +192,12 @@ class PtReader(ShardReader):
 
     def read(self, file: str, key: str, crc: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         t, lo, hi = self._tensor(file, key)
+        whole = lo == 0 and hi == t.numel()
+        if isinstance(t, TensorRef):
+            got = t.read(lo, hi, out=None if out is None else out.view(-1))
+            return out if out is not None else (got.view(t.shape) if whole else got)
         part = t.reshape(-1)[lo:hi]
-        if out is None and lo == 0 and hi == t.numel():
+        if out is None and whole:
             return t.clone()  # whole: its own shape (Adam's 0-dim step)
         if out is not None:
             out.view(-1).copy_(part)

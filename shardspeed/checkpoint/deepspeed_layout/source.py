@@ -12,12 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
-import torch
-
 from ...errors import CheckpointError
 from ..metadata import WEIGHT, CheckpointMetadata, Entry, TensorInfo
 from .layout import Span
-from .pickles import PtReader, field, key_of, plain, scaler_state
+from .lazy_pt import TensorRef
+from .pickles import PtReader, field, is_tensor, key_of, materialize, plain, scaler_state
 
 #: the DeepSpeed releases whose layouts this reader knows (0.10 to 0.x); others are refused
 OLDEST, NEWEST_MAJOR = (0, 10), 0
@@ -109,7 +108,7 @@ def module_tensors(ms: Dict[str, Any], file: str, skip: set) -> Tuple[Dict[str, 
     tensors: Dict[str, TensorInfo] = {}
     entries: List[Entry] = []
     for name, t in module.items():
-        if name in skip or not torch.is_tensor(t) or (t.numel() == 0 and name not in buffers):
+        if name in skip or not is_tensor(t) or (t.numel() == 0 and name not in buffers):
             continue
         kind = "buffer" if name in buffers else "frozen"
         tensors[name] = TensorInfo(list(t.shape), str(t.dtype).replace("torch.", ""), kind)
@@ -123,10 +122,11 @@ def aliases(ms: Dict[str, Any]) -> Dict[str, str]:
     if isinstance(shared, dict) and shared:
         return {str(a): str(b) for a, b in shared.items()}
     out: Dict[str, str] = {}
-    seen: Dict[Tuple[int, int, Tuple[int, ...]], str] = {}
+    seen: Dict[Tuple[Any, Tuple[int, ...]], str] = {}
     for name, t in (ms.get("module") or {}).items():
-        if torch.is_tensor(t) and t.numel():
-            k = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape))
+        if is_tensor(t) and t.numel():
+            k = ((t.path, t.offset) if isinstance(t, TensorRef) else (t.untyped_storage().data_ptr(),
+                                                                     int(t.storage_offset())), tuple(t.shape))
             if k in seen:
                 out[name] = seen[k]
             else:
@@ -160,9 +160,9 @@ def common_state(ms: Dict[str, Any], scaler: Any) -> Dict[str, Any]:
     gas = int((ms.get("ds_config") or {}).get("gradient_accumulation_steps") or 1)
     counters = {"global_steps": steps, "global_samples": int(ms.get("global_samples") or 0),
                 "skipped_steps": int(ms.get("skipped_steps") or 0), "micro_steps": steps * gas}
-    return {"lr_scheduler": ms.get("lr_scheduler"), "loss_scaler": scaler_state(scaler), "counters": counters,
-            "dataloader": {"global_samples": counters["global_samples"]},
-            "client_state": {k: v for k, v in ms.items() if k not in DS_KEYS}}
+    return {"lr_scheduler": materialize(ms.get("lr_scheduler")), "loss_scaler": scaler_state(scaler),
+            "counters": counters, "dataloader": {"global_samples": counters["global_samples"]},
+            "client_state": materialize({k: v for k, v in ms.items() if k not in DS_KEYS})}
 
 
 def metadata(tag: str, world: int, stage: int, dtype: str, tensors: Dict[str, TensorInfo], alias: Dict[str, str],

@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
-
 from ...errors import CheckpointError
 from ..metadata import WEIGHT, Entry, TensorInfo
-from .pickles import PtReader, field, key_of, stage_of
+from .pickles import PtReader, field, is_tensor, key_of, stage_of
 from .source import (
     ADAM_STATES,
     MODEL_FILE,
@@ -46,8 +44,8 @@ def _state_file(reader: PtReader, file: str, name: str, n: int) -> Tuple[Any, ..
     obj = reader.obj(file)
     path: Tuple[Any, ...] = ("param",) if isinstance(obj, dict) else ()
     t = field(obj, path, os.path.join(reader.root, file))
-    if not torch.is_tensor(t) or t.numel() != n:
-        got = t.numel() if torch.is_tensor(t) else type(t).__name__
+    if not is_tensor(t) or t.numel() != n:
+        got = t.numel() if is_tensor(t) else type(t).__name__
         raise CheckpointError(f"DeepSpeed universal checkpoint file {os.path.join(reader.root, file)}: field "
                               f"'param' holds {got} elements, {name!r} has {n}")
     reader.close()  # one parameter's files open at a time

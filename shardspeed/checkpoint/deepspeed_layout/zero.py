@@ -10,12 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from ...errors import CheckpointError
 from ..metadata import WEIGHT, Entry, TensorInfo
 from .layout import zero3_frozen_spans, zero3_spans, zero12_spans
-from .pickles import PtReader, field, key_of, stage_of
+from .pickles import PtReader, field, is_tensor, key_of, stage_of
 from .source import (
     ADAM_STATES,
     MODEL_FILE,
@@ -66,7 +64,7 @@ def _zero0_names(ms: Dict[str, Any], groups: List[Dict[str, Any]], trainable: Op
     module = field(ms, ("module",), file)
     buffers = set(ms.get("buffer_names") or [])
     alias = aliases(ms)
-    names = [n for n, t in module.items() if n not in buffers and n not in alias and torch.is_tensor(t)]
+    names = [n for n, t in module.items() if n not in buffers and n not in alias and is_tensor(t)]
     sizes = [len(g["params"]) for g in groups]
     if trainable is not None and [len(t) for t in trainable] == sizes:
         names = [n for t in trainable for n in t]
@@ -83,7 +81,7 @@ def _zero0_names(ms: Dict[str, Any], groups: List[Dict[str, Any]], trainable: Op
         if name not in module:
             raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'module' has no {name!r}")
         got = state.get(idx, {}).get("exp_avg")
-        if torch.is_tensor(got) and tuple(got.shape) != tuple(module[name].shape):
+        if is_tensor(got) and tuple(got.shape) != tuple(module[name].shape):
             raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'optimizer/state/{idx}/exp_avg' has shape "
                                   f"{list(got.shape)}, the parameter it belongs to ({name!r}) {list(module[name].shape)}")
     return names
