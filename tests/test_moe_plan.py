@@ -58,3 +58,18 @@ def test_autotuner_prices_experts_per_rank():
         plan = StateMemoryModel(info).plan(cand)
         assert plan.mesh.expert == 2
         assert StateMemoryModel(info).states(cand)[0] == pytest.approx(moe_model_states(plan, 100, 40).total)
+
+
+@pytest.mark.parametrize("k,cf,drops", [(1, 1.0, True), (2, 0.5, True), (1, 8.0, False)])
+def test_the_test_capacities_drop_tokens_or_not(k, cf, drops):
+    """tests/test_moe.py's shapes (16 tokens a rank, 4 experts): its "drop" capacities do drop routes."""
+    import torch
+
+    from shardspeed.moe.gating import top1gating, top2gating
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 4) * 2
+    routes = (top1gating(logits, cf, 4, use_rts=False) if k == 1
+              else top2gating(logits, cf, 4, top2_2nd_expert_sampling=False))
+    kept = int((routes.experts >= 0).sum())
+    assert (kept < 16 * k) == drops, (kept, routes.capacity)
