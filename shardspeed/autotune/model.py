@@ -229,9 +229,10 @@ class StateMemoryModel:
 
     def variable(self, c: Candidate) -> float:
         """Per-sample activation factor of the candidate (checkpointing keeps ``ckpt_share``, tensor
-        parallelism :meth:`tp_share`)."""
+        parallelism :meth:`tp_share`, sequence parallelism a 1/SP share of each sample's tokens)."""
         p = self.plan(c)
-        return p.batch.micro_batch * (self.ckpt_share if p.checkpointing.blocks else 1.0) * self.tp_share(p.mesh.model)
+        ckpt = self.ckpt_share if p.checkpointing.blocks else 1.0
+        return p.batch.micro_batch * ckpt * self.tp_share(p.mesh.model) / p.mesh.sequence
 
     def tp_share(self, tp: int) -> float:
         """Share of a sample's activations a rank keeps at tensor-parallel degree ``tp`` (here 1: the layer
@@ -353,11 +354,11 @@ class StepTimeModel:
 
     def features(self, c: Candidate) -> Tuple[float, float]:
         """(micro-steps, samples' compute per rank): tensor parallelism splits each sample's matmuls over
-        its ranks; checkpointing recomputes the forward."""
+        its ranks, sequence parallelism its tokens; checkpointing recomputes the forward."""
         p = self.plan(c)
         g = p.batch.accumulation_steps
         r = RECOMPUTE_FACTOR if p.checkpointing.blocks else 1.0
-        return float(g), float(g * p.batch.micro_batch) * r / p.mesh.model
+        return float(g), float(g * p.batch.micro_batch) * r / (p.mesh.model * p.mesh.sequence)
 
     def predict(self, c: Candidate) -> Tuple[float, Dict[str, float]]:
         g, gm = self.features(c)

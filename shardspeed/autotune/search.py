@@ -33,7 +33,15 @@ from shardspeed.plan import Plan
 from .memory import EstimatorMemoryModel
 from .model import CostModel, LinkProfile, Measurement, ModelInfo, fits
 from .report import CandidateRecord, optimal_config_path, write_experiment, write_optimal, write_summary
-from .space import Candidate, TuningSpace, apply_candidate, default_space, enumerate_candidates, user_plan
+from .space import (
+    Candidate,
+    TuningSpace,
+    apply_candidate,
+    default_space,
+    enumerate_candidates,
+    sequence_parallel_sizes,
+    user_plan,
+)
 from .trials import TrialResult, launch_command, run_command, trial_command
 
 logger = logging.getLogger("shardspeed.autotune")
@@ -157,7 +165,7 @@ class Tuner:
         if self.space is None:
             self.space = default_space(self.global_batch, self.nproc, fast=at.fast, mbs_range=(
                 at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu),
-                tp_sizes=self._tp_sizes())
+                tp_sizes=self._tp_sizes(), sp_sizes=self._sp_sizes())
         self.candidates = enumerate_candidates(self.space, self.global_batch, self.nproc)
         if not self.candidates:
             raise ConfigError("the tuning space has no candidate for this global batch and world size")
@@ -176,6 +184,16 @@ class Tuner:
             return (self.user_plan.mesh.model,)
         return tuple(t for t in range(1, self.nproc + 1) if self.nproc % t == 0 and shape.n_head % t == 0
                      and shape.vocab % t == 0 and shape.ffn_hidden % t == 0)
+
+    def _sp_sizes(self) -> Tuple[int, ...]:
+        """Sequence-parallel degrees to search: with the model's shape and ``seq_len``, those
+        :func:`~.space.sequence_parallel_sizes` offers (more than 1 only when activations dominate); else the
+        user's plan's degree (``sequence_parallel_size``)."""
+        shape = self.model_spec.shape if self.model_spec is not None else None
+        if shape is None or not self.seq_len or self.model_spec is None:
+            return (self.user_plan.mesh.sequence,)
+        return sequence_parallel_sizes(shape, self.seq_len, self.nproc, self.model_spec.num_params,
+                                       self.user_plan.precision.compute.itemsize)
 
     # ---- running -------------------------------------------------------------------------------------
     def _trial_config(self, cand: Candidate, exp_dir: str) -> Dict[str, Any]:

@@ -2,8 +2,10 @@
 
 A :class:`Candidate` is one point: ZeRO stage, micro-batch × gradient accumulation (their product times
 the data-parallel size is the user's global batch, always), optimizer/parameter offload to CPU, the
-gradient bucket size, activation checkpointing and the tensor-parallel degree (``tensor_parallel.autotp_size``:
-the data-parallel size is the world over it). :func:`enumerate_candidates` lists every valid point
+gradient bucket size, activation checkpointing, the tensor-parallel degree (``tensor_parallel.autotp_size``)
+and the sequence-parallel degree (``sequence_parallel_size``): the data-parallel size is the world over
+both. :func:`sequence_parallel_sizes` offers SP degrees only when the sequence is long (the estimator's
+activations per rank above the model states). :func:`enumerate_candidates` lists every valid point
 of a :class:`TuningSpace`; :func:`apply_candidate` writes one into a copy of the user's config, changing
 only the keys it tunes.
 
@@ -42,10 +44,11 @@ class Candidate:
     reduce_bucket_size: Optional[int] = None  # elements; None: the user's
     activation_checkpointing: bool = False
     tp: int = 1  # tensor-parallel degree (tensor_parallel.autotp_size)
+    sp: int = 1  # sequence-parallel degree (sequence_parallel_size)
 
     def dp_size(self, world: int) -> int:
-        """The data-parallel size at ``world`` ranks (the world over the tensor-parallel degree)."""
-        return world // self.tp
+        """The data-parallel size at ``world`` ranks (the world over the tensor- and sequence-parallel degrees)."""
+        return world // (self.tp * self.sp)
 
     @property
     def name(self) -> str:
@@ -61,6 +64,8 @@ class Candidate:
             parts.append("ckpt")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
+        if self.sp > 1:
+            parts.append(f"sp{self.sp}")
         return "_".join(parts)
 
 
@@ -75,6 +80,22 @@ class TuningSpace:
     reduce_bucket_sizes: Tuple[Optional[int], ...] = (None,)
     activation_checkpointing: Tuple[bool, ...] = (False,)
     tp_sizes: Tuple[int, ...] = (1,)
+    sp_sizes: Tuple[int, ...] = (1,)
+
+
+def sequence_parallel_sizes(shape: Any, seq_len: int, world: int, num_params: int, elem_bytes: int = 4,
+                            checkpointing: bool = True) -> Tuple[int, ...]:
+    """SP degrees worth searching for ``seq_len``-token samples of a transformer of ``shape``
+    (:class:`~shardspeed.estimate.activations.TransformerShape`): (1,) while one rank's activations at SP 1
+    (:func:`~shardspeed.estimate.long_context.long_context_activations`, micro-batch 1) stay below its model
+    states at ZeRO 3 (16 bytes per parameter over the world); else also every degree > 1 dividing the world
+    and the attention heads (Ulysses)."""
+    from shardspeed.estimate.long_context import long_context_activations
+
+    act = long_context_activations(shape, 1, int(seq_len), elem_bytes, checkpointing=checkpointing)
+    if act.device_peak + act.host_bytes <= 16.0 * num_params / max(1, world):
+        return (1,)
+    return tuple(p for p in range(1, world + 1) if world % p == 0 and shape.n_head % p == 0)
 
 
 def micro_batch_sizes(per_rank_batch: int, lo: int = 1, hi: int = 1024) -> Tuple[int, ...]:
@@ -83,23 +104,29 @@ def micro_batch_sizes(per_rank_batch: int, lo: int = 1, hi: int = 1024) -> Tuple
 
 
 def default_space(global_batch: int, world: int, *, fast: bool = True, mbs_range: Tuple[int, int] = (1, 1024),
-                  bucket_sizes: Sequence[int] = (5 * _MiB, 50 * _MiB), tp_sizes: Sequence[int] = (1,)) -> TuningSpace:
+                  bucket_sizes: Sequence[int] = (5 * _MiB, 50 * _MiB), tp_sizes: Sequence[int] = (1,),
+                  sp_sizes: Sequence[int] = (1,)) -> TuningSpace:
     """Every stage, every micro-batch dividing a per-rank batch, offload on/off; bucket sizes only when
     not ``fast`` (DeepSpeed's meaning of the flag); checkpointing when the engine can switch it; the
-    tensor-parallel degrees given that divide ``world``."""
+    tensor-parallel degrees given that divide ``world``; the sequence-parallel degrees given (see
+    :func:`sequence_parallel_sizes`) that divide the world with a tensor-parallel degree and keep the batch."""
     tps = tuple(t for t in tp_sizes if t >= 1 and world % t == 0 and global_batch % (world // t) == 0)
     if not tps:
         sizes = sorted({world // t for t in tp_sizes if t >= 1 and world % t == 0} or {world})
         raise ConfigError(f"the global batch {global_batch} is not a multiple of the data-parallel size "
                           f"{' or '.join(map(str, sizes))}")
-    per_rank = sorted({global_batch // (world // t) for t in tps})
+    sps = tuple(s for s in sp_sizes if s >= 1 and any(world % (t * s) == 0 and global_batch % (world // (t * s)) == 0
+                                                   for t in tps)) or (1,)
+    per_rank = sorted({global_batch // (world // (t * s)) for t in tps for s in sps
+                       if world % (t * s) == 0 and global_batch % (world // (t * s)) == 0})
     mbs = tuple(sorted({m for b in per_rank for m in micro_batch_sizes(b, *mbs_range)}))
     if not mbs:
         raise ConfigError(f"no micro-batch in [{mbs_range[0]}, {mbs_range[1]}] divides the per-rank batch "
                           f"{' or '.join(map(str, per_rank))}; widen min/max_train_micro_batch_size_per_gpu")
     buckets: Tuple[Optional[int], ...] = (None,) if fast else (None, *bucket_sizes)
     ckpt = (False, True) if ACTIVATION_CHECKPOINTING_KEY else (False,)
-    return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt, tp_sizes=tps)
+    return TuningSpace(micro_batches=mbs, reduce_bucket_sizes=buckets, activation_checkpointing=ckpt, tp_sizes=tps,
+                       sp_sizes=sps)
 
 
 def _meaningful(stage: int, oo: bool, op: bool, dp: int) -> bool:
@@ -114,14 +141,14 @@ def _meaningful(stage: int, oo: bool, op: bool, dp: int) -> bool:
 
 
 def enumerate_candidates(space: TuningSpace, global_batch: int, world: int) -> List[Candidate]:
-    """Every valid candidate at ``world`` ranks: for each tensor-parallel degree that divides the world,
-    the micro-batches that divide that degree's per-rank batch, the stages and offloads that mean something
-    (:func:`_meaningful`)."""
+    """Every valid candidate at ``world`` ranks: for each tensor- and sequence-parallel degree whose product
+    divides the world, the micro-batches that divide that data-parallel size's per-rank batch, the stages and
+    offloads that mean something (:func:`_meaningful`; ZeRO partitions over data x sequence)."""
     out: List[Candidate] = []
-    for tp in space.tp_sizes:
-        if world % tp or global_batch % (world // tp):
+    for tp, sp in [(t, s) for t in space.tp_sizes for s in space.sp_sizes]:
+        if world % (tp * sp) or global_batch % (world // (tp * sp)):
             continue
-        dp = world // tp
+        dp = world // (tp * sp)
         per_rank = global_batch // dp
         for stage in space.stages:
             for mbs in space.micro_batches:
@@ -129,11 +156,11 @@ def enumerate_candidates(space: TuningSpace, global_batch: int, world: int) -> L
                     continue
                 for oo in space.offload_optimizer:
                     for op in space.offload_param:
-                        if not _meaningful(stage, oo, op, dp):
+                        if not _meaningful(stage, oo, op, dp * sp):
                             continue
                         for rb in space.reduce_bucket_sizes:
                             for ck in space.activation_checkpointing:
-                                out.append(Candidate(stage, mbs, per_rank // mbs, oo, op, rb, ck, tp))
+                                out.append(Candidate(stage, mbs, per_rank // mbs, oo, op, rb, ck, tp, sp))
     return out
 
 
@@ -172,6 +199,8 @@ def apply_candidate(user_config: Dict[str, Any], cand: Candidate, world: int) ->
         _set_dotted(cfg, ACTIVATION_CHECKPOINTING_KEY, cand.activation_checkpointing)
     if cand.tp > 1 or isinstance(cfg.get("tensor_parallel"), dict):
         _set_dotted(cfg, "tensor_parallel.autotp_size", cand.tp)
+    if cand.sp > 1 or "sequence_parallel_size" in cfg:
+        cfg["sequence_parallel_size"] = cand.sp
     return cfg
 
 
