@@ -37,6 +37,8 @@ TOL = 1e-6  # fp32 and bf16: the continued runs come out bit-equal
 #: 512, checkpoint or not; the loaded run equals our own uninterrupted one exactly
 FP16_TOL = 1e-3
 WORLD4_CASES = [(0, 1), (1, 2), (2, 3), (3, 0)]  # (DeepSpeed's stage at world 2, ours at world 4)
+#: ours -> DeepSpeed's layout at (stage, dtype), DeepSpeed continues
+ROUND_TRIPS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16"), (2, "fp16")]
 #: (DeepSpeed's stage, ds_to_universal's extra flags): loaded at ZeRO (s + 1) % 4
 UNIVERSAL_CASES = [(3, []), (2, ["--inject_missing_state"])]
 #: (DeepSpeed's stage, dtype, ours)
@@ -135,24 +137,26 @@ def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None, kin
     return {"losses": losses, "client": client, "steps": steps, "scale": float(engine.loss_scale)}
 
 
-def _round_trip(ds, base: str, stage: int, batches) -> Dict[str, List[float]]:
+def _round_trip(ds, base: str, stage: int, batches, dtype: str = "fp32") -> Dict[str, Any]:
     """Ours trains and saves; convert writes DeepSpeed's layout at ``stage``; both continue."""
     import torch.distributed as dist
 
     import shardspeed
     from shardspeed.checkpoint.deepspeed_layout.export import export_deepspeed
 
-    engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_config(stage))
+    engine, *_ = shardspeed.initialize(model=make_model("mlp"), config=_config(stage, dtype))
     _train(engine, batches[:N])
-    engine.save_checkpoint(f"{base}/rt{stage}", client_state={"marker": stage})
+    engine.save_checkpoint(f"{base}/rt{stage}{dtype}", client_state={"marker": stage})
     if dist.get_rank() == 0:
-        export_deepspeed(f"{base}/rt{stage}", f"{base}/rt_ds{stage}", world=2, stage=stage)
+        export_deepspeed(f"{base}/rt{stage}{dtype}", f"{base}/rt_ds{stage}{dtype}", world=2, stage=stage,
+                         ds_config=_config(stage, dtype))
     dist.barrier()
     ours = _train(engine, batches[N:])
     model = make_model("mlp", seed=7)
-    dse, *_ = ds.initialize(model=model, config=_config(stage), model_parameters=list(model.parameters()))
-    _, client = dse.load_checkpoint(f"{base}/rt_ds{stage}")
-    return {"ours": ours, "deepspeed": _train(dse, batches[N:]), "marker": client.get("marker")}
+    dse, *_ = ds.initialize(model=model, config=_config(stage, dtype), model_parameters=list(model.parameters()))
+    _, client = dse.load_checkpoint(f"{base}/rt_ds{stage}{dtype}")
+    return {"ours": ours, "deepspeed": _train(dse, batches[N:]), "marker": client.get("marker"),
+            "scales": (float(engine.loss_scale), float(dse.optimizer.loss_scale)) if dtype == "fp16" else None}
 
 
 def _errors(base: str) -> Dict[str, Any]:
@@ -222,8 +226,8 @@ def _world2(base: str) -> Dict[str, Any]:
     dist.barrier()
     out["universal"] = {s: _ours_continue(f"{base}/mlp{s}fp32", (s + 1) % 4, "fp32", batches,
                                           tag="global_step2_universal") for s, _ in UNIVERSAL_CASES}
-    for stage in range(4):
-        out["rt"][stage] = _round_trip(ds, base, stage, batches)
+    for stage, dtype in ROUND_TRIPS:
+        out["rt"][(stage, dtype)] = _round_trip(ds, base, stage, batches, dtype)
     out["errors"] = _errors(base)
     return out
 
@@ -281,9 +285,11 @@ def test_universal_layout_continues(results):
 
 def test_round_trip_through_deepspeeds_layout(results):
     _, r = results
-    for stage, got in r["rt"].items():
-        _close(got["deepspeed"], got["ours"], TOL, f"ours -> DeepSpeed ZeRO {stage}")
+    for (stage, dtype), got in r["rt"].items():
+        _close(got["deepspeed"], got["ours"], FP16_TOL if dtype == "fp16" else TOL, f"ours -> DeepSpeed ZeRO {stage} {dtype}")
         assert got["marker"] == stage
+        if dtype == "fp16":  # DeepSpeed's loss scale went on from ours
+            assert got["scales"][0] == got["scales"][1] > 2 ** 8, got["scales"]
 
 
 def test_unmappable_checkpoints_fail_before_loading(results):

@@ -5,6 +5,7 @@ Both directions stream: one tensor (or one rank's partition) in memory at a time
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -22,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="to DeepSpeed: its ZeRO stage")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="to DeepSpeed: the dtype it will train in (default: the one saved)")
+    p.add_argument("--ds-config", default=None,
+                   help="to DeepSpeed: the JSON config it will run with (its fp16 loss-scale settings and ZeRO-3 "
+                        "sub_group_size shape the files; default: DeepSpeed's defaults)")
     p.set_defaults(func=run_args)
 
 
@@ -45,8 +49,12 @@ def run_args(args: argparse.Namespace) -> int:
             if args.world is None or args.stage is None:
                 raise CheckpointError("converting a shardspeed checkpoint to DeepSpeed's layout needs --world and "
                                       "--stage (DeepSpeed loads only at the layout it was saved for)")
+            ds_config = None
+            if args.ds_config:
+                with open(args.ds_config) as f:
+                    ds_config = json.load(f)
             out = export_deepspeed(args.src, args.dst, args.world, args.stage, tag=tag, out_tag=args.out_tag,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, ds_config=ds_config)
     except CheckpointError as exc:
         print(f"shardspeed convert: error: {exc}", file=sys.stderr)
         return 1

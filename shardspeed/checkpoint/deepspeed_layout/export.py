@@ -55,6 +55,7 @@ class _Ours:
             raise CheckpointError(f"{os.path.join(self.path, 'metadata.json')}: field 'optimizer.param_groups' has "
                                   f"{len(groups)} groups; export to DeepSpeed's layout handles one")
         self.hyper = dict(next(iter(groups.values()), {}))
+        self.ds_config: Optional[Dict[str, Any]] = None  # the DeepSpeed config the run will load under
 
     def read(self, name: str, state: str, lo: int, hi: int) -> torch.Tensor:
         return read_range(self.reader, self.index, name, state, lo, hi)
@@ -95,16 +96,22 @@ def _ds():
 
 
 def _scaler(ours: _Ours):
+    """DeepSpeed's loss scaler object with our saved state; its settings (which DeepSpeed takes from the
+    pickled object, not from its config, on load) from ``ours.ds_config``'s ``fp16`` section, else
+    DeepSpeed's defaults."""
     _, static, dynamic, _, _ = _ds()
     st = ours.common.get("loss_scaler") or {}
     if not st.get("dynamic"):
         return static(float(st.get("scale", 1.0)))
-    s = object.__new__(dynamic)  # the settings are DeepSpeed's defaults (our checkpoint keeps the state only)
+    fp16 = (ours.ds_config or {}).get("fp16") or {}
+    s = object.__new__(dynamic)
     s.__dict__.update(cur_scale=float(st["scale"]), cur_iter=int(st["cur_iter"]),
-                      last_overflow_iter=int(st["last_overflow_iter"]), scale_factor=2.0, scale_window=1000,
-                      min_scale=1.0, delayed_shift=2, cur_hysteresis=int(st["cur_hysteresis"]),
-                      consecutive_hysteresis=False, raise_error_at_min_scale=True, dynamic=True,
-                      dtype=torch.float16)
+                      last_overflow_iter=int(st["last_overflow_iter"]), scale_factor=2.0,
+                      scale_window=int(fp16.get("loss_scale_window", 1000)),
+                      min_scale=float(fp16.get("min_loss_scale", 1)), delayed_shift=int(fp16.get("hysteresis", 2)),
+                      cur_hysteresis=int(st["cur_hysteresis"]),
+                      consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+                      raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)
     return s
 
 
@@ -139,7 +146,7 @@ def _model_states(ours: _Ours, world: int, stage: int, dtype: torch.dtype, place
         "skipped_steps": int(counters.get("skipped_steps", 0)), "global_steps": int(counters.get("global_steps", 0)),
         "global_samples": int(counters.get("global_samples", 0)), "dp_world_size": world, "mp_world_size": 1,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        "ds_config": {"zero_optimization": {"stage": stage}}, "ds_version": version}
+        "ds_config": ours.ds_config or {"zero_optimization": {"stage": stage}}, "ds_version": version}
     sd.update(ours.common.get("client_state") or {})
     return sd
 
@@ -261,13 +268,18 @@ def _zero3(ours: _Ours, out: str, world: int, dtype: torch.dtype, prefix: str, s
 
 def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: Optional[str] = None,
                      out_tag: Optional[str] = None, dtype: Optional[str] = None,
-                     sub_group_size: int = SUB_GROUP_SIZE) -> str:
+                     sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None) -> str:
     """Write our checkpoint ``load_dir/tag`` as DeepSpeed's ZeRO-``stage`` checkpoint of ``world`` data-parallel
     ranks under ``save_dir/out_tag`` (default: the same tag), then ``save_dir/latest``. ``dtype``: the
-    training dtype DeepSpeed will run in (default: the one saved). Returns the tag directory."""
+    training dtype DeepSpeed will run in (default: the one saved). ``ds_config``: the DeepSpeed config it
+    will run with (its ``fp16`` loss-scale settings and ZeRO-3 ``sub_group_size`` shape the files; default:
+    DeepSpeed's defaults). Returns the tag directory."""
     if stage not in (0, 1, 2, 3) or world < 1:
         raise CheckpointError(f"export to DeepSpeed: stage must be 0-3 and world at least 1 (got {stage}, {world})")
     ours = _Ours(load_dir, tag)
+    ours.ds_config = ds_config
+    if sub_group_size is None:
+        sub_group_size = int(((ds_config or {}).get("zero_optimization") or {}).get("sub_group_size", SUB_GROUP_SIZE))
     name = dtype or ours.meta.train_dtype
     tdtype = NAME_TO_DTYPE.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name))
     if tdtype is None:
