@@ -66,3 +66,28 @@ def test_cost_model_divides_tokens_by_the_sequence_degree():
     assert mem.predict(one)[0] - mem.predict(two)[0] == pytest.approx(2e8)
     time = StepTimeModel(info, link)
     assert time.features(two)[1] == pytest.approx(time.features(one)[1] / 2)
+
+
+def test_estimate_cli_prices_long_context(capsys):
+    """``shardspeed estimate --sp`` prints the estimator's per-rank bytes: model states and activations."""
+    import json
+
+    import torch
+
+    from shardspeed.cli import main
+    from shardspeed.models import GPT, GPTConfig
+
+    assert main(["estimate", "--preset", "small", "--world", "4", "--sp", "2", "--seq-len", "4096", "--tiles", "4",
+                 "--dtype", "fp32", "--offload-activations", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = GPTConfig.preset("small")
+    with torch.device("meta"):
+        n = GPT(cfg).num_params()
+    shape = TransformerShape(n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, vocab=cfg.vocab_size,
+                             ffn_hidden=4 * cfg.n_embd, max_seq=cfg.block_size)
+    act = long_context_activations(shape, 1, 4096, 4, sp=2, offload=True, mlp_tiles=4, loss_tiles=4)
+    b = out["bytes_per_rank"]
+    assert out["local_tokens"] == 2048 and b["model_states"] == pytest.approx(16 * n / 4)
+    assert b["activations_device"] == pytest.approx(act.device_peak) and b["activations_host"] == pytest.approx(
+        act.host_bytes) and act.host_bytes > 0
+    assert main(["estimate", "--preset", "small", "--world", "4", "--sp", "3", "--seq-len", "64"]) == 2

@@ -24,9 +24,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from shardspeed.memory_estimate import estimate_model_state_memory
 
     if args.params is None:
-        from shardspeed.estimate.cli import peak_command, wants_peak
+        from shardspeed.estimate.cli import long_context_command, peak_command, wants_long_context, wants_peak
 
         try:
+            if wants_long_context(args):
+                return long_context_command(args)
             if wants_peak(args):
                 return peak_command(args)
         except ConfigError as e:
@@ -115,5 +117,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-trace", action="store_true", help="activations from the formulas, not a traced step")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
     p.add_argument("--offload-param", action="store_true", help="parameters in host memory (stage 3)")
+    p.add_argument("--sp", type=int, help="sequence-parallel degree: per-rank long-context memory (needs --seq-len)")
+    p.add_argument("--ring", action="store_true", help="with --sp: ring attention instead of Ulysses")
+    p.add_argument("--kv-heads", type=int, help="with --sp: key/value heads (GQA; default: the attention heads)")
+    p.add_argument("--tiles", type=int, help="tiled MLP and fused loss with this many sequence tiles")
+    p.add_argument("--offload-activations", action="store_true", help="checkpointed activations in host memory")
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
     p.set_defaults(func=_cmd_estimate)
