@@ -162,7 +162,7 @@ class PtReader(ShardReader):
     :attr:`OPEN_FILES` files are held open (memory-mapped) at a time. DeepSpeed records no checksums:
     ``crc`` is ignored."""
 
-    OPEN_FILES = 2  # a range spans two rank files at most; a file dropped from here is unmapped (its pages leave RSS)
+    OPEN_FILES = 2  # a range spans two rank files at most (the structures are small: tensors are references)
 
     def __init__(self, root: str):
         super().__init__(root, verify=False)

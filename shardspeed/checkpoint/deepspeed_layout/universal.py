@@ -108,7 +108,7 @@ def open_deepspeed(load_dir: str, tag: str,
     ms = reader.obj(MODEL_FILE)
     check_version(ms, os.path.join(path, MODEL_FILE))
     if ms.get("param_shapes") is None and not any(f for f in os.listdir(path) if f.endswith("_optim_states.pt")):
-        return read_zero0(path, tag, ms, trainable)
+        return read_zero0(path, tag, ms, reader, trainable)
     return read_zero12(path, tag, ms, reader)
 
 

@@ -87,7 +87,7 @@ def _zero0_names(ms: Dict[str, Any], groups: List[Dict[str, Any]], trainable: Op
     return names
 
 
-def read_zero0(path: str, tag: str, ms: Dict[str, Any],
+def read_zero0(path: str, tag: str, ms: Dict[str, Any], reader: PtReader,
                trainable: Optional[Sequence[Sequence[str]]]) -> DeepSpeedSource:
     """ZeRO 0: the module holds the weights (fp32) or ``optimizer.fp32_groups[_flat]`` the masters; the
     torch optimizer's per-parameter state is keyed by its position in ``param_groups``."""
@@ -135,7 +135,7 @@ def read_zero0(path: str, tag: str, ms: Dict[str, Any],
     scaler = {k: opt[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "scale_window") if k in opt}
     if scaler:
         scaler["dynamic"] = bool(opt.get("dynamic_loss_scale"))
-    return DeepSpeedSource(path, meta, PtReader(path), common_state(ms, scaler or None), "zero0")
+    return DeepSpeedSource(path, meta, reader, common_state(ms, scaler or None), "zero0")
 
 
 def g_index(groups: List[Dict[str, Any]], idx: int) -> int:
