@@ -5,9 +5,11 @@ Here each parameter of the expert is stacked over the local experts (``[num_loca
 under the expert's own module path (``deepspeed_experts.fc1.weight``), and the experts run as one call:
 ``torch.func.vmap`` over ``functional_call`` of the expert module, which turns an ``nn.Linear``-MLP into
 batched matmuls over the experts (a padded ``bmm``: every expert gets the same ``capacity`` slots). An
+expert that is a plain MLP (``nn.Sequential`` of ``nn.Linear`` and element-wise activations) skips vmap: one
+``bmm`` per linear whose backward gives the weight gradients in the weights' layout (:mod:`.batched`). An
 expert that vmap cannot batch (data-dependent control flow, ``.item()``, random ops) runs in a loop over
-the stacked slices instead; :attr:`Experts.compute_path` says which ("vmap" or "loop"), decided at the
-first forward by one trial on the real inputs (under a forked RNG, so the trial draws nothing).
+the stacked slices instead; :attr:`Experts.compute_path` says which ("mlp", "vmap" or "loop"), decided at
+the first forward by one trial on the real inputs (under a forked RNG, so the trial draws nothing).
 
 Every local expert starts as a copy of the expert given (as DeepSpeed's deep copies do). The stacked
 parameters carry DeepSpeed's tags (``allreduce = False``, ``group_name = "ep_size_N"``), so
@@ -25,6 +27,7 @@ from torch import Tensor
 from torch.func import functional_call, vmap
 
 from ..parallel.tp.slicing import TPSlice
+from .batched import mlp_layers, run_mlp
 
 
 class _Holder(nn.Module):
@@ -72,7 +75,8 @@ class Experts(nn.Module):
                 if prm is not None:
                     mod._parameters[pname] = nn.Parameter(torch.empty_like(prm, device="meta"), prm.requires_grad)
         self._template: Tuple[nn.Module, ...] = (template,)
-        self.compute_path: Optional[str] = None
+        self._mlp = mlp_layers(template)
+        self.compute_path: Optional[str] = "mlp" if self._mlp is not None else None
 
     def stacked(self) -> Dict[str, Tensor]:
         """The stacked parameters by the expert's parameter names (read here: ZeRO-3 gathers them)."""
@@ -110,7 +114,10 @@ class Experts(nn.Module):
         params = self.stacked()
         if self.compute_path is None:
             self.compute_path = self._choose_path(params, x)
-        y = self._vmapped(params, x) if self.compute_path == "vmap" else self._looped(params, x)
+        if self._mlp is not None:
+            y = run_mlp(self._mlp, params, x)
+        else:
+            y = self._vmapped(params, x) if self.compute_path == "vmap" else self._looped(params, x)
         return y.reshape(e, g, c, -1).transpose(0, 1)
 
 
