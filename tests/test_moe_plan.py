@@ -73,3 +73,29 @@ def test_the_test_capacities_drop_tokens_or_not(k, cf, drops):
               else top2gating(logits, cf, 4, top2_2nd_expert_sampling=False))
     kept = int((routes.experts >= 0).sum())
     assert (kept < 16 * k) == drops, (kept, routes.capacity)
+
+
+def test_estimate_command_prices_experts_by_ep(capsys):
+    """``shardspeed estimate --params --expert-params --ep``: fp32 Adam, world 4. Stage 0 holds 16 bytes per dense
+    parameter and per expert parameter / EP; stage 3 shards the dense ones over 4 ranks and the experts over the
+    expert-data group (4 / EP); the all-to-all is bench_moe's model (12 layers, 8 experts, d 256, 64 tokens:
+    capacity 8, 4 x 8 x 8 x 256 x 4 bytes per layer, (EP-1)/EP sent)."""
+    import json
+
+    from shardspeed.cli import main
+
+    dense, expert = 1_000_000, 8_000_000
+    for ep in (1, 2, 4):
+        args = ["estimate", "--params", str(dense + expert), "--expert-params", str(expert), "--ep", str(ep),
+                "--world", "4", "--dtype", "fp32", "--experts", "8", "--hidden", "256", "--tokens", "64",
+                "--moe-layers", "12", "--json"]
+        assert main(args) == 0
+        rows = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+        assert rows[0]["total"] == pytest.approx(16 * (dense + expert / ep))
+        assert rows[3]["total"] == pytest.approx(16 * dense / 4 + 16 * (expert / ep) / (4 // ep))
+        assert rows[0]["expert_data"] == 4 // ep
+        assert rows[2]["all_to_all_bytes_per_step"] == pytest.approx(12 * 4 * 8 * 8 * 256 * 4 * (ep - 1) / ep)
+    assert main(["estimate", "--params", "10M", "--expert-params", "20M", "--world", "4"]) == 2
+    assert main(["estimate", "--params", "10M", "--expert-params", "8M", "--ep", "3", "--world", "4"]) == 2
+    assert main(["estimate", "--params", "10M", "--expert-params", "8M", "--experts", "8", "--world", "4"]) == 2
+    capsys.readouterr()

@@ -41,6 +41,14 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             print(f"shardspeed estimate: error: {e}", file=sys.stderr)
             return 2
         source = f"{n:,} parameters"
+        if args.expert_params is not None:
+            from shardspeed.estimate.cli import moe_command
+
+            try:
+                return moe_command(args, n, parse_count(args.expert_params))
+            except (ConfigError, ValueError) as e:
+                print(f"shardspeed estimate: error: {e}", file=sys.stderr)
+                return 2
     else:
         import torch
 
@@ -122,5 +130,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int, help="with --sp: key/value heads (GQA; default: the attention heads)")
     p.add_argument("--tiles", type=int, help="tiled MLP and fused loss with this many sequence tiles")
     p.add_argument("--offload-activations", action="store_true", help="checkpointed activations in host memory")
+    moe = p.add_argument_group("mixture of experts (with --params)")
+    moe.add_argument("--expert-params", help="the experts' share of --params (all experts): model states per rank "
+                                             "by stage at --ep")
+    moe.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --world; default 1)")
+    moe.add_argument("--experts", type=int, help="experts per MoE layer (with --hidden, --tokens, --moe-layers: the "
+                                                 "all-to-all bytes per step)")
+    moe.add_argument("--hidden", type=int, help="the MoE layers' hidden size")
+    moe.add_argument("--tokens", type=int, help="tokens per rank per MoE layer call (micro-batch x sequence)")
+    moe.add_argument("--moe-layers", type=int, help="MoE layers in the model")
+    moe.add_argument("--top-k", type=int, default=1, help="experts per token (default 1)")
+    moe.add_argument("--capacity-factor", type=float, default=1.0, help="capacity factor (default 1.0)")
     p.add_argument("--json", action="store_true", help="print bytes as JSON instead of a table")
     p.set_defaults(func=_cmd_estimate)

@@ -104,3 +104,36 @@ def long_context_command(args: argparse.Namespace) -> int:
     for k, v in rows.items():
         print(f"  {k:<20}{v / 1e9:>10.3f}")
     return 0
+
+
+def moe_command(args: argparse.Namespace, total: int, expert: int) -> int:
+    """``--params N --expert-params M [--ep EP]``: model states per rank by stage for a mixture of experts, and
+    with ``--experts --hidden --tokens --moe-layers`` the capacity all-to-all bytes per step (DeepSpeed's layer)."""
+    from .experts import moe_estimate
+
+    shape = (args.experts, args.hidden, args.tokens, args.moe_layers)
+    if any(v is not None for v in shape) and any(v is None for v in shape):
+        raise ConfigError("the all-to-all needs all of --experts, --hidden, --tokens and --moe-layers")
+    a2a = None
+    if args.experts is not None:
+        a2a = {"tokens": args.tokens, "hidden": args.hidden, "num_experts": args.experts, "k": args.top_k,
+               "capacity_factor": args.capacity_factor, "layers": args.moe_layers,
+               "dtype_bytes": 4 if args.dtype == "fp32" else 2}
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+    rows = moe_estimate(total, expert, args.world, args.ep, args.dtype, stages, a2a)
+    if args.json:
+        print(json.dumps({"num_params": total, "expert_params": expert, "world_size": args.world, "rows": rows},
+                         indent=2))
+        return 0
+    print(f"Model-state memory per rank of a mixture of experts ({total:,} parameters, {expert:,} in experts), "
+          f"world {args.world}, EP {args.ep}, {args.dtype}, Adam; GB = 1e9 bytes")
+    print("{:<6}{:>5}{:>12}{:>10}{:>10}{:>10}{:>13}".format("stage", "EP", "expert-DP", "params", "grads", "optim",
+                                                          "device/rank"))
+    for r in rows:
+        print("{:<6}{:>5}{:>12}{:>10.3f}{:>10.3f}{:>10.3f}{:>13.3f}".format(  # noqa: UP032 (a table row)
+            r["stage"], r["ep"], r["expert_data"], r["params"] / 1e9, r["grads"] / 1e9, r["optimizer"] / 1e9,
+            r["total"] / 1e9))
+    if a2a is not None:
+        print(f"all-to-all: {rows[0]['all_to_all_bytes_per_step']:,.0f} bytes sent per rank per step "
+              f"({args.moe_layers} MoE layers, 4 exchanges each of experts x capacity x hidden, (EP-1)/EP leaving)")
+    return 0

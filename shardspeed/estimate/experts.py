@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..moe.gating import capacity_of
 from ..moe.utils import is_moe_param
-from ..plan import Plan
+from ..plan import ModelFacts, Plan, decide
 from .states import ModelStateMemory, model_states
 
 
@@ -76,3 +77,26 @@ def routed_all_to_all(tokens: int, hidden: int, ep: int, k: int, dtype_bytes: in
     (EP - 1) / EP of them leave the rank (plus the counts, one int64 per expert, not counted)."""
     rows = tokens * k * hidden * dtype_bytes
     return AllToAllBytes((4 if backward else 2) * rows * (ep - 1) / ep, layers)
+
+
+def moe_estimate(total_params: int, expert_params: int, world: int, ep: int, dtype: str, stages=(0, 1, 2, 3),
+                 a2a: Optional[Dict[str, float]] = None) -> List[Dict[str, float]]:
+    """``shardspeed estimate --expert-params``: per ZeRO stage, one rank's bytes of model states for a model of
+    ``total_params`` of which ``expert_params`` are experts (all of them), at expert size ``ep`` over ``world``
+    ranks in ``dtype`` with Adam; with ``a2a`` (:func:`capacity_all_to_all`'s keywords but ``ep``) the
+    all-to-all bytes one rank sends per step too."""
+    if not 0 <= expert_params <= total_params:
+        raise ConfigError(f"--expert-params ({expert_params:,}) must be between 0 and --params ({total_params:,})")
+    dtype_keys = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}
+    sent = capacity_all_to_all(ep=ep, **a2a).per_step if a2a else None  # type: ignore[arg-type]
+    rows = []
+    for stage in stages:
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, **dtype_keys[dtype]}
+        plan = decide(config, world, ModelFacts(ep_size=ep))
+        m = moe_model_states(plan, total_params - expert_params, expert_params)
+        row = {"stage": stage, "ep": ep, "expert_data": plan.mesh.expert_shard_size, "params": m.params_device,
+               "grads": m.grads_device, "optimizer": m.optimizer_device, "total": m.device}
+        if sent is not None:
+            row["all_to_all_bytes_per_step"] = sent
+        rows.append(row)
+    return rows
