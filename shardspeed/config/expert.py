@@ -1,7 +1,7 @@
 """`expert_parallel`: DeepSpeed's AutoEP block (Hugging Face MoE models made expert-parallel)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from .base import ConfigModel, field
 
@@ -26,12 +26,12 @@ class ExpertParallelConfig(ConfigModel):
     use_grouped_mm: bool = field(True, "Local experts in one torch._grouped_mm where the build has it (else a padded "
                                  "bmm).")
     top_k: Union[int, str] = field("auto", "Experts per token; \"auto\": the model config's.")
-    score_func: str = field("auto", "Router scores; \"auto\" (the model's: softmax).",
+    score_func: str = field("softmax", "Router scores (the converted models' softmax only).",
                             not_implemented="another router score function")
     route_norm: Optional[bool] = field(None, "Renormalise the top-k weights; None: the model's.",
                                        not_implemented="overriding the model's top-k renormalisation")
     route_scale: float = field(1.0, "Factor on the routed output.", not_implemented="route scaling")
     expert_tensor_parallel_size: int = field(1, "Tensor parallelism inside experts (only 1).",
                                              not_implemented="expert tensor parallelism")
-    load_balance_coeff: Optional[Any] = field(None, "Auxiliary-loss-free balancing (null only).",
+    load_balance_coeff: Optional[float] = field(None, "Auxiliary-loss-free balancing (null only).",
                                               not_implemented="auxiliary-loss-free load balancing")

@@ -23,6 +23,8 @@ IMPLEMENTED_BLOCKS: Dict[str, str] = {
     "wandb": "the Weights & Biases monitor (monitor.wandb)",
     "comet": "the Comet monitor (monitor.comet)",
     "flops_profiler": "the step flops profiler (profiling.engine_profiler, runtime.builder._flops_profiler)",
+    "expert_parallel": "AutoEP: Hugging Face MoE blocks made expert-parallel (runtime.experts.prepare_experts, "
+                       "moe.autoep)",
     "autotuning": "a trial's profile window (autotune.probe: measure, write metric_path, exit); "
                   "`shardspeed autotune` (autotune.search)",
 }

@@ -25,6 +25,7 @@ from .blocks import (
     TensorParallelConfig,
     WandbConfig,
 )
+from .expert import ExpertParallelConfig
 from .precision import (
     TORCH_DTYPES,
     BF16Config,
@@ -34,7 +35,6 @@ from .precision import (
     check_precision,
     normalize_dtype_name,
 )
-from .expert import ExpertParallelConfig
 from .zero import ZeroConfig
 
 _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
