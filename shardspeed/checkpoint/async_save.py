@@ -24,6 +24,7 @@ one is in flight breaks it, so call ``engine.destroy()`` (or the next save) befo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, List, Optional, Tuple, Union
 
@@ -133,6 +134,7 @@ class AsyncSaves:
         return out, ready
 
     def _run(self, job: RankSave, group: WriterGroup, ready: Optional[Any]) -> None:
+        _lowest_cpu_priority()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -152,3 +154,13 @@ class AsyncSaves:
         thread.join()
         err, self._error = self._error, None
         raise_agreed(coord.all_gather_object(err, cause=CAUSE))
+
+
+def _lowest_cpu_priority() -> None:
+    """Run the calling (writer) thread at nice 19, where the OS allows it (Linux: a thread's own priority),
+    so the write uses the CPU time training leaves idle (waiting on collectives or the device) instead of
+    taking cores from it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the write still happens, at normal priority
+        pass
