@@ -205,3 +205,10 @@ class ZeroConfig(ConfigModel):
     def offload_param_device(self) -> str:
         """"none", "cpu" or "nvme"."""
         return self.offload_param.device if self.offload_param is not None else "none"
+
+
+def zero_block(config: Optional[Dict[str, Any]]) -> ZeroConfig:
+    """The ``zero_optimization`` block of a DeepSpeed-format config dict, parsed and validated (its defaults
+    when the dict or the block is missing): for code that writes files another program reads with that config
+    (the export to DeepSpeed's checkpoint layout), so that no module outside ``config/`` reads its sections."""
+    return ZeroConfig.model_validate((config or {}).get("zero_optimization") or {})

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader
@@ -28,7 +29,6 @@ from .layout import zero3_piece
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
 
 logger = logging.getLogger("shardspeed")
-SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
 
 class _Ours:
@@ -279,7 +279,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     ours = _Ours(load_dir, tag)
     ours.ds_config = ds_config
     if sub_group_size is None:
-        sub_group_size = int(((ds_config or {}).get("zero_optimization") or {}).get("sub_group_size", SUB_GROUP_SIZE))
+        sub_group_size = int(zero_block(ds_config).sub_group_size)
     name = dtype or ours.meta.train_dtype
     tdtype = NAME_TO_DTYPE.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name))
     if tdtype is None:
