@@ -21,11 +21,14 @@ class UnitGrads:
     and is reduced again at the end of the backward (reductions add up: every contribution counts once)."""
 
     __slots__ = ("unit", "bucket", "sending", "result", "launched", "dirty", "handle", "wire", "counts", "seen",
-                 "arrivals", "expected", "round", "at_round", "round_tasks")
+                 "arrivals", "expected", "round", "at_round", "round_tasks", "written")
 
     def __init__(self, unit: FlatParamUnit):
         self.unit = unit
         self.bucket: Optional[torch.Tensor] = None  # full-size, accum dtype: local sums not yet reduced
+        # stages 2-3: the parameters whose gradient the bucket holds (the first one is copied in, not added to
+        # zeros; the rest of the bucket is zeroed when it is sent); None: the bucket is all zeros or sums
+        self.written: Optional[set] = None
         self.sending: Optional[torch.Tensor] = None  # a bucket whose reduction is in flight
         # the reduced, averaged gradient since the last step: chunk-sized (every_micro_step policy), else the
         # full-size buffer a reduction left its result in (only this rank's chunk of it is meaningful)

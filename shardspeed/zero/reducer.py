@@ -145,14 +145,32 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _bucket(self, g: UnitGrads) -> torch.Tensor:
+        """The unit's bucket being filled. Stages 2-3 take a fresh one uninitialised (``g.written`` says which
+        parameters' views hold gradients; :meth:`_zero_unwritten` clears the rest before it is sent); stages
+        0-1 keep one zeroed buffer that sums every micro-step."""
         if g.bucket is None:
             n = g.unit.layout.padded_numel
             free = self._pool.get(n)
+            fresh = self.policy.every_micro_step
             if free:
-                g.bucket = free.pop().zero_()
+                g.bucket = free.pop() if fresh else free.pop().zero_()
             else:
-                g.bucket = torch.zeros(n, dtype=self.policy.accum_dtype, device=g.unit.device)
+                make = torch.empty if fresh else torch.zeros
+                g.bucket = make(n, dtype=self.policy.accum_dtype, device=g.unit.device)
+            g.written = set() if fresh else None
         return g.bucket
+
+    @staticmethod
+    def _zero_unwritten(g: UnitGrads, bucket: torch.Tensor) -> None:
+        """Zero what no gradient was written into: parameters without one this backward, and the padding."""
+        if g.written is None:
+            return
+        layout = g.unit.layout
+        for i in range(len(g.unit.params)):
+            if i not in g.written:
+                g.unit.param_view(bucket, i).zero_()
+        bucket[layout.numel :].zero_()
+        g.written = None
 
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a few freed buckets for the next units of the same size in this backward (transformer
@@ -181,7 +199,12 @@ class GradientReducer:
         started = g.bucket is None
         if started:
             self._make_room(g.unit.layout.padded_numel)
-        g.unit.param_view(self._bucket(g), pi).add_(grad.reshape(-1))
+        view = g.unit.param_view(self._bucket(g), pi)
+        if g.written is None or pi in g.written:
+            view.add_(grad.reshape(-1))
+        else:  # the first gradient of this parameter in this bucket: no zeros to add to
+            view.copy_(grad.reshape(-1))
+            g.written.add(pi)
         param.grad = None
         g.dirty = True
         self._arrived = True
@@ -242,6 +265,7 @@ class GradientReducer:
         g.dirty = False
         self.launch_log.append((g.unit.index, self._pending_hooks))
         bucket = self._bucket(g)
+        self._zero_unwritten(g, bucket)
         g.bucket, g.sending = None, bucket  # later gradients go into a fresh bucket, never into this one
         n = g.unit.layout.padded_numel
         if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and g.unit.comm is None:
