@@ -108,15 +108,12 @@ def gathered_for_compute(params: Iterable[torch.Tensor]):
     backward = _in_autograd()
     for unit, manager in units:
         if backward:
-            manager._pre_backward([unit.index])
+            manager.gather_for_backward([unit.index])
         else:
-            manager._refs[unit.index] += 1
-            manager._gather(unit.index)
+            manager.hold(unit.index)
     try:
         yield
     finally:
         if not backward:
             for unit, manager in units:
-                manager._refs[unit.index] -= 1
-                if manager._refs[unit.index] == 0:
-                    manager._release(unit.index)
+                manager.unhold(unit.index)

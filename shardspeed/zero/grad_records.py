@@ -52,6 +52,17 @@ class UnitGrads:
         self.round = 1
         self.round_tasks = set()
 
+    def zero_unwritten(self, bucket: torch.Tensor) -> None:
+        """Before ``bucket`` is sent: zero what no gradient was written into (parameters without one this
+        backward, and the padding); nothing to do for a bucket that was zeroed when taken."""
+        if self.written is None:
+            return
+        for i in range(len(self.unit.params)):
+            if i not in self.written:
+                self.unit.param_view(bucket, i).zero_()
+        bucket[self.unit.layout.numel :].zero_()
+        self.written = None
+
     @property
     def complete(self) -> bool:
         """Every trainable parameter has arrived, as often as a whole backward brings them."""

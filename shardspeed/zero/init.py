@@ -365,3 +365,20 @@ def _check_sharded_state_dict(module, state_dict, prefix, local_metadata) -> Non
                     "shardspeed.zero.GatheredParameters(...) on every rank, or train it with a stage-3 engine.",
                     stacklevel=3)
             return
+
+
+def warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """``model.state_dict()`` at stage 3 holds empty placeholders: say so instead of saving nothing."""
+    for name, p in module.named_parameters():
+        t = state_dict.get(prefix + name)
+        if t is not None and t.numel() == 0 and unit_of(p) is not None:
+            if _in_save_pretrained():  # transformers would write the placeholders: refuse
+                raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
+            warnings.warn(
+                "model.state_dict() at ZeRO stage 3 contains empty tensors: parameters are sharded across "
+                "ranks. Use engine.save_checkpoint(...) and `shardspeed consolidate`, "
+                "engine.save_16bit_model(...), or read parameters inside "
+                "shardspeed.zero.GatheredParameters(...) on every rank.",
+                stacklevel=3,
+            )
+            return

@@ -146,7 +146,7 @@ class GradientReducer:
 
     def _bucket(self, g: UnitGrads) -> torch.Tensor:
         """The unit's bucket being filled. Stages 2-3 take a fresh one uninitialised (``g.written`` says which
-        parameters' views hold gradients; :meth:`_zero_unwritten` clears the rest before it is sent); stages
+        parameters' views hold gradients; ``g.zero_unwritten`` clears the rest before it is sent); stages
         0-1 keep one zeroed buffer that sums every micro-step."""
         if g.bucket is None:
             n = g.unit.layout.padded_numel
@@ -160,17 +160,6 @@ class GradientReducer:
             g.written = set() if fresh else None
         return g.bucket
 
-    @staticmethod
-    def _zero_unwritten(g: UnitGrads, bucket: torch.Tensor) -> None:
-        """Zero what no gradient was written into: parameters without one this backward, and the padding."""
-        if g.written is None:
-            return
-        layout = g.unit.layout
-        for i in range(len(g.unit.params)):
-            if i not in g.written:
-                g.unit.param_view(bucket, i).zero_()
-        bucket[layout.numel :].zero_()
-        g.written = None
 
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a few freed buckets for the next units of the same size in this backward (transformer
@@ -265,7 +254,7 @@ class GradientReducer:
         g.dirty = False
         self.launch_log.append((g.unit.index, self._pending_hooks))
         bucket = self._bucket(g)
-        self._zero_unwritten(g, bucket)
+        g.zero_unwritten(bucket)
         g.bucket, g.sending = None, bucket  # later gradients go into a fresh bucket, never into this one
         n = g.unit.layout.padded_numel
         if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and g.unit.comm is None:

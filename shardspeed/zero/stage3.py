@@ -32,7 +32,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -43,8 +42,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..comm.quantized import QuantizedGather
-from ..errors import CheckpointError, DistributedError
+from ..errors import DistributedError
 from .hooks import register_post_backward, watch_parameter_reads
+from .init import warn_sharded_state_dict
 from .tags import unit_of
 from .unit import ShardedParamUnit, UnitState
 
@@ -104,7 +104,7 @@ class ParamManager:
             self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
         for m in _holders(root, self.units):
             self._hooks.append(_Undo(watch_parameter_reads(m, self._on_read)))
-        self._hooks.append(root.register_state_dict_post_hook(_warn_sharded_state_dict))
+        self._hooks.append(root.register_state_dict_post_hook(warn_sharded_state_dict))
 
     def _modules_needing_units(self, root: nn.Module, owners: Sequence[nn.Module]) -> Dict[nn.Module, List[int]]:
         """Which units each hooked module gathers: its own units, the units of parameters it holds directly
@@ -439,29 +439,26 @@ class ParamManager:
             u.release()
             u.drop_secondary()
 
+    # ---- whole for a computation that takes parameters as tensors (zero.gathered.gathered_for_compute) -----
+    def hold(self, index: int) -> None:
+        """Gather unit ``index`` and hold it, reference-counted as a running module's forward holds its units,
+        until :meth:`unhold`."""
+        self._refs[index] += 1
+        self._gather(index)
+
+    def unhold(self, index: int) -> None:
+        self._refs[index] -= 1
+        if self._refs[index] == 0:
+            self._release(index)
+
+    def gather_for_backward(self, indices: List[int]) -> None:
+        """Gather ``indices`` as the running backward's units (released when their gradients are in)."""
+        self._pre_backward(indices)
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-def _warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    """``model.state_dict()`` at stage 3 holds empty placeholders: say so instead of saving nothing."""
-    for name, p in module.named_parameters():
-        t = state_dict.get(prefix + name)
-        if t is not None and t.numel() == 0 and unit_of(p) is not None:
-            from .init import SAVE_PRETRAINED_MESSAGE, _in_save_pretrained
-
-            if _in_save_pretrained():  # transformers would write the placeholders: refuse
-                raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
-            warnings.warn(
-                "model.state_dict() at ZeRO stage 3 contains empty tensors: parameters are sharded across "
-                "ranks. Use engine.save_checkpoint(...) and `shardspeed consolidate`, "
-                "engine.save_16bit_model(...), or read parameters inside "
-                "shardspeed.zero.GatheredParameters(...) on every rank.",
-                stacklevel=3,
-            )
-            return
 
 
 def _recomputing() -> bool:
