@@ -60,7 +60,9 @@ def _worker(fn, rank, world_size, port, results, args, kwargs, collective_timeou
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0,
                     collective_timeout: float = 60.0, may_die: Sequence[int] = (), final_barrier: bool = True,
                     **kwargs) -> List[Any]:
-    """``may_die``: ranks allowed to exit without reporting (fault tests); their result is None."""
+    """``may_die``: ranks allowed to exit without reporting (fault tests); their result is None, and no rank ends
+    with the final barrier (a survivor's barrier with a dead peer fails, racing the dead rank's exit)."""
+    final_barrier = final_barrier and not may_die
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
