@@ -147,17 +147,24 @@ def g_index(groups: List[Dict[str, Any]], idx: int) -> int:
     raise CheckpointError(f"internal error: optimizer parameter {idx} is in no group")
 
 
-def read_zero12(path: str, tag: str, ms: Dict[str, Any], reader: PtReader) -> DeepSpeedSource:
-    """ZeRO 1-2: ``single_partition_of_fp32_groups[g]`` and the base optimizer's state ``g`` per rank."""
-    model_file = os.path.join(path, MODEL_FILE)
+def _optimizer_files(path: str, reader: PtReader, why: str) -> Tuple[str, Dict[str, Any], int, Dict[int, str]]:
+    """Rank 0's optimizer file (its name, its ``optimizer_state_dict``), the world it was saved at, and every
+    rank's file; a missing rank-0 file is a CheckpointError ending with ``why`` it must exist."""
     files0 = optim_files(path)
     if 0 not in files0:
         raise CheckpointError(f"DeepSpeed checkpoint file {os.path.join(path, 'zero_pp_rank_0_mp_rank_00_optim_states.pt')}"
-                              f" is missing: field 'optimizer' of {model_file} says the optimizer is ZeRO's")
+                              f" is missing: {why}")
     first = files0[0]
     osd0 = field(reader.obj(first), (OSD,), os.path.join(path, first))
     world = _world(osd0, os.path.join(path, first))
-    files = _rank_files(path, world, first)
+    return first, osd0, world, _rank_files(path, world, first)
+
+
+def read_zero12(path: str, tag: str, ms: Dict[str, Any], reader: PtReader) -> DeepSpeedSource:
+    """ZeRO 1-2: ``single_partition_of_fp32_groups[g]`` and the base optimizer's state ``g`` per rank."""
+    model_file = os.path.join(path, MODEL_FILE)
+    first, osd0, world, files = _optimizer_files(path, reader, f"field 'optimizer' of {model_file} says the "
+                                                               f"optimizer is ZeRO's")
     shapes = param_shapes(ms, model_file)
     groups = [[(n, numel(s)) for n, s in g] for g in shapes]
     parts: List[List[Tuple[int, int]]] = [[] for _ in groups]
@@ -209,14 +216,7 @@ def read_zero3(path: str, tag: str, reader: PtReader) -> DeepSpeedSource:
     m0 = Z3_MODEL.format(0)
     ms = reader.obj(m0)
     check_version(ms, os.path.join(path, m0))
-    files0 = optim_files(path)
-    if 0 not in files0:
-        raise CheckpointError(f"DeepSpeed checkpoint file {os.path.join(path, 'zero_pp_rank_0_mp_rank_00_optim_states.pt')}"
-                              f" is missing: {m0} is a ZeRO-3 checkpoint's")
-    first = files0[0]
-    osd0 = field(reader.obj(first), (OSD,), os.path.join(path, first))
-    world = _world(osd0, os.path.join(path, first))
-    files = _rank_files(path, world, first)
+    first, osd0, world, files = _optimizer_files(path, reader, f"{m0} is a ZeRO-3 checkpoint's")
     models = {r: Z3_MODEL.format(r) for r in range(world)}
     for f in models.values():
         if not os.path.isfile(os.path.join(path, f)):
