@@ -53,7 +53,11 @@ def reference(model, steps: List[List[Dict[str, Any]]], clip: float = CLIP) -> D
 def config(stage: int, sp: int, micro: int = 1, **extra: Any) -> Dict[str, Any]:
     return dict({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-                 "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp,
+                 # stage 3 releases every unit between uses (none persistent: the tiny model's parameters are
+                 # all under DeepSpeed's default persistence threshold, which would keep them whole)
+                 "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0}
+                                                          if stage == 3 else {})},
+                 "sequence_parallel_size": sp,
                  "gradient_clipping": CLIP}, **extra)
 
 

@@ -96,14 +96,17 @@ def _in_autograd() -> bool:
 
 
 @contextmanager
-def gathered_for_compute(params: Iterable[torch.Tensor]):
+def gathered_for_compute(params: Iterable[torch.Tensor], until_gradient: bool = False):
     """Stage-3 ``params`` whole for a computation that takes them as tensors, e.g. a tiled function
     (autograd records its inputs' shapes when it is applied, and its tiles call the parameters' modules
     many times). In a forward (or outside one) the units are gathered through their manager and held,
     reference-counted as a module's forward holds them, so those modules' hooks do not release them between
-    tiles; released on exit unless something else holds them. In a backward they are gathered as the
-    backward's units (released when their gradients are in, or at its end). Stages 0-2: nothing to do.
-    Every rank must enter it (the gathers are collective)."""
+    tiles; released on exit unless something else holds them. ``until_gradient``: on a normal exit they stay
+    gathered until the backward has their gradients instead (a function that computed its parameters'
+    gradients in its forward hands them to autograd in its backward, where autograd needs the parameters
+    whole to accumulate them, and no module of theirs runs to gather them). In a backward they are gathered
+    as the backward's units (released when their gradients are in, or at its end). Stages 0-2: nothing to
+    do. Every rank must enter it (the gathers are collective)."""
     units = _units_of(params)
     backward = _in_autograd()
     for unit, manager in units:
@@ -111,9 +114,16 @@ def gathered_for_compute(params: Iterable[torch.Tensor]):
             manager.gather_for_backward([unit.index])
         else:
             manager.hold(unit.index)
+    if backward:
+        yield
+        return
+    keep = False
     try:
         yield
+        keep = until_gradient
     finally:
-        if not backward:
-            for unit, manager in units:
+        for unit, manager in units:
+            if keep:
+                manager.hold_until_gradient(unit.index)
+            else:
                 manager.unhold(unit.index)

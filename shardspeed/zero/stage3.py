@@ -451,6 +451,11 @@ class ParamManager:
         if self._refs[index] == 0:
             self._release(index)
 
+    def hold_until_gradient(self, index: int) -> None:
+        """End a :meth:`hold` without releasing unit ``index``: it stays gathered until the backward has its
+        gradients (:meth:`on_unit_grads_ready`), or the backward or the step ends."""
+        self._refs[index] -= 1
+
     def gather_for_backward(self, indices: List[int]) -> None:
         """Gather ``indices`` as the running backward's units (released when their gradients are in)."""
         self._pre_backward(indices)

@@ -196,5 +196,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
 
         weight = 1.0 / len(bounds) if output_reduction == "mean" else 1.0
         params = trainable(module, compute_params)
-        with gathered_for_compute(params):  # stage 3: the gradients are computed here, against whole weights
+        # stage 3: the gradients are computed here, against whole weights, and handed to autograd in the
+        # backward, which accumulates them into the parameters: whole until then
+        with gathered_for_compute(params, until_gradient=torch.is_grad_enabled()):
             return _FusedLoss.apply(call, bounds, weight, x, *params)
