@@ -35,14 +35,13 @@ import logging
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..comm.quantized import QuantizedGather
-from ..errors import DistributedError
+from .agreement import GatherAgreements
 from .hooks import register_post_backward, watch_parameter_reads
 from .init import warn_sharded_state_dict
 from .tags import unit_of
@@ -92,6 +91,8 @@ class ParamManager:
         self.gather_count = 0
         self.read_gathers = 0  # gathers started by a parameter read (a unit its hooks did not gather)
         self._owners = list(owners)
+        # every rank gathers the same units: one small all-reduce per batch of gathers, checked before use
+        self._agreements = GatherAgreements(collectives, self._module_name)
         self._stack: List[nn.Module] = []  # hooked modules whose (non-recompute) forward is running
         # frozen units (no trainable parameter: no gradient says when autograd is done with them) are
         # released by their modules' post-backward; forward calls whose post-backward is still to come
@@ -140,13 +141,13 @@ class ParamManager:
         with _disable_current_modes():
             self._start_gathers(start, index)
             if u.state is not UnitState.GATHERED:
+                self._agreements.check_before_use(index)
                 u.finish_gather()
 
     def _start_gathers(self, start: List[int], needed: int) -> None:
         """Agree with the other ranks on ``start`` (the units about to be gathered for ``needed``), then
         launch their all-gathers."""
-        if start:
-            self._agree(start, needed)
+        self._agreements.start(start, needed, self._phase, self.units[needed].device)
         for i in start:
             comm = self._quantized if self._quantized is not None and i in self._quantize else self.comm
             own = self.units[i].comm  # an expert unit: gathered over its expert-data group, exact
@@ -199,30 +200,6 @@ class ParamManager:
         if plan:
             with _disable_current_modes():
                 self._start_gathers(plan, index)
-
-    def _agree(self, starting: List[int], needed: int) -> None:
-        """Before issuing all-gathers, check that every rank is about to gather the same units: one tiny
-        all-reduce (a host sync point). Ranks whose forward or backward took different modules (rank-
-        dependent control flow) would otherwise issue mismatched collectives, which gloo answers with an
-        abort and NCCL with a hang; here every rank raises a DistributedError naming the modules instead."""
-        if self.comm.world == 1:
-            return
-        fp = 0
-        for i in starting:  # a fingerprint of the sequence, in 62 bits
-            fp = (fp * 1_000_003 + i + 1) % (1 << 62)
-        t = torch.tensor([fp, -fp, needed, -needed], dtype=torch.int64, device=self.units[needed].device)
-        self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) == fp and int(t[1]) == -fp:
-            return
-        lo, hi = -int(t[3]), int(t[2])
-        other = hi if hi != needed else lo
-        raise DistributedError(
-            f"ZeRO stage 3: ranks diverged in the {self._phase}: this rank (data-parallel rank "
-            f"{self.comm.topology.dp_rank}) needs the parameters of {self._module_name(needed)} (unit {needed}) "
-            f"while other ranks need unit {other} ({self._module_name(other)}). Stage 3 gathers parameters collectively, so every rank must run the same modules in the same "
-            f"order; rank-dependent control flow (a module skipped on some ranks) needs stage 0-2, or make the "
-            f"choice the same on every rank (e.g. decide it on rank 0 and broadcast it)."
-        )
 
     def _module_name(self, index: int) -> str:
         owner = self._owners[index]
@@ -414,6 +391,7 @@ class ParamManager:
         """End of a backward (autograd's final callback): release every unit still gathered (except those
         kept until the step) and freeze the traces after the first full step."""
         self._in_backward = False
+        self._agreements.check_all()
         for u in self.units:
             if u.gathering:
                 u.finish_gather()
@@ -432,6 +410,7 @@ class ParamManager:
 
     def after_step(self) -> None:
         """Parameters changed: drop every gathered copy, persistent ones included (they are stale)."""
+        self._agreements.check_all()
         for u in self.units:
             if u.gathering:
                 u.finish_gather()
