@@ -194,3 +194,37 @@ def test_version1_checkpoint_loads_like_version2(tmp_path):
     consolidate(str(tmp_path / "v2"), str(tmp_path / "out2"))
     a, b = load_consolidated(str(tmp_path / "out1")), load_consolidated(str(tmp_path / "out2"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("n1,n2", [(0, 0), (1, 0), (0, 7), (13, 1), (4096, 12345), (3, 1 << 20)])
+def test_crc32_combine_is_the_crc_of_the_concatenation(n1, n2):
+    import zlib
+
+    from shardspeed.checkpoint.format import crc32_combine
+
+    g = torch.Generator().manual_seed(n1 * 31 + n2)
+    a = torch.randint(0, 256, (n1,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    b = torch.randint(0, 256, (n2,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_written_file_records_the_crc_of_its_bytes(tmp_path):
+    """The writer passes over each tensor's bytes once; the whole file's CRC-32 it records, combined from the
+    header's and the tensors', is zlib's over the file as written (as are the header's and each tensor's)."""
+    import zlib
+
+    from shardspeed.checkpoint.format import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    items = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randint(0, 9, (7,), generator=g)),
+             ("c", torch.randn(0)), ("d", torch.randn(11, generator=g).to(torch.bfloat16))]
+    path = str(tmp_path / "x.safetensors")
+    w = write_safetensors(path, items, metadata={"k": "v"})
+    data = open(path, "rb").read()
+    assert w.bytes == len(data) and w.crc32 == zlib.crc32(data)
+    head = 8 + int.from_bytes(data[:8], "little")
+    assert w.header_crc32 == zlib.crc32(data[:head])
+    header = json.loads(data[8:head])
+    for key, _ in items:
+        lo, hi = header[key]["data_offsets"]
+        assert w.tensor_crc32[key] == zlib.crc32(data[head + lo : head + hi])

@@ -94,6 +94,46 @@ class LazyTensor:
         return t
 
 
+# ---- CRC-32 of a concatenation, from the parts' (zlib's crc32_combine, which Python's zlib lacks) -------
+_CRC_POLY = 0xEDB88320  # CRC-32's polynomial, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo CRC-32's polynomial (both reflected, as zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> Tuple[int, ...]:
+    """``x ** (2 ** k)`` modulo the polynomial, for k in 0..31."""
+    p, out = 1 << 30, []  # x ** 1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return tuple(out)
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len2 = len(b)``: ``crc1``
+    times ``x ** (8 * len2)``, plus ``crc2`` (a few hundred integer operations, however long ``b`` is)."""
+    p, k, n = 1 << 31, 3, len2  # p = x ** 0; x ** (8 n) = x ** (n * 2 ** 3)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
 @dataclass
 class WrittenFile:
     bytes: int
@@ -135,23 +175,21 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
     point, kill_at, who = crash_spec()
     kill_at = kill_at if point == "bytes" and (who is None or who == rank) else None
     written = 0
-    crc = 0
     out = WrittenFile(0, 0)
 
     with open(path, "wb") as f:
         def emit(buf) -> None:
-            nonlocal written, crc
+            nonlocal written
             if kill_at is not None and written + len(buf) >= kill_at:
                 f.write(memoryview(buf)[: max(kill_at - written, 0)])
                 f.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             f.write(buf)
-            crc = zlib.crc32(buf, crc)
             written += len(buf)
 
-        emit(struct.pack("<Q", len(hb)))
-        emit(hb)
-        out.header_crc32 = crc
+        head = struct.pack("<Q", len(hb)) + hb
+        emit(head)
+        crc = out.header_crc32 = zlib.crc32(head)
         for key, t in items:
             if isinstance(t, LazyTensor):
                 t = t.materialize()
@@ -163,9 +201,10 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
                 if part.device.type != "cpu":
                     part = part.cpu()  # one slice on the host at a time; a device sync point
                 buf = tensor_bytes(part.contiguous())
-                tcrc = zlib.crc32(buf, tcrc)
+                tcrc = zlib.crc32(buf, tcrc)  # the bytes pass once: the file's CRC is combined from the tensors'
                 emit(buf)
             out.tensor_crc32[key] = tcrc
+            crc = crc32_combine(crc, tcrc, flat.numel() * flat.element_size())
         f.flush()
         os.fsync(f.fileno())
     out.bytes, out.crc32 = written, crc
