@@ -18,13 +18,16 @@ VmRSS every 2 ms and ends the process when it passes the cap, so the shared box 
 world x cap from this benchmark; the coordinator also waits for ``free`` memory of world x cap + 1 GiB
 before it starts a group. One configuration's group runs at a time.
 
-Measured per trial, max over ranks: the step's peak RSS (VmHWM reset after the engine is built; glibc's
-mmap threshold fixed by ``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the process), the step time and
-the time per token (step time / global tokens). Predicted: the RSS before the model is built (measured) +
-the estimator's bytes: model states 16 psi / N at stage 3 (fp32 weights, gradients, Adam m and v), the
-gathered units (the largest twice: in use and prefetched, and its gradient bucket), and
-:func:`shardspeed.estimate.long_context.long_context_activations` (on a CPU the offloaded bytes stay in
-the process, so device + host). JSON: benchmarks/results/long_context.json (``--quick``: -quick.json).
+Each group first trains one untimed step of ``WARMUP_TOKENS_PER_RANK`` tokens per rank, so that every
+trial runs with the optimizer's states allocated, as a training run's steps do. Measured per trial, max
+over ranks: the step's peak RSS (VmHWM reset before the step; glibc's mmap threshold fixed by
+``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the process), the step time and the time per token (step
+time / global tokens). Predicted: the RSS before the model is built (measured) + the estimator's peak,
+:func:`shardspeed.estimate.long_context.long_context_peak` (the long-context activations priced with the
+plan's model states, stage 3's gathered units and gradient buckets; on a CPU the offloaded bytes stay in
+the process, so device + host). DeepSpeed's longest length is also run by shardspeed at SP 2 on world 2 if
+its search did not try it, for the step-time ratio. JSON: benchmarks/results/long_context.json
+(``--quick``: -quick.json).
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ CONFIGS = {
     "ds-sp2-w2": ("deepspeed", 2, 2, "ulysses", False),
 }
 TILES = 8  # MLP and loss tiles when tiled
+WARMUP_TOKENS_PER_RANK = 64  # each group's untimed first step
 LR = 1e-4
 
 
@@ -185,17 +189,25 @@ def _worker(name: str, model_name: str, cap_kb: int, rank: int, world: int, port
         step, mpu = _engine(system, _build(model_name), sp, attention, tiled)
         sp_rank, dp_rank = mpu.get_sequence_parallel_rank(), dist.get_rank() // sp  # sequence ranks adjacent
         gc.collect()
-        res_q.put((rank, "ready", {"baseline_kb": baseline, "after_init_kb": proc_status_kb("VmRSS")}))
+        after_init = proc_status_kb("VmRSS")
         vocab = MODELS[model_name]["vocab_size"]
+        layout = "zigzag" if attention == "ring" else "contiguous"
+
+        def batch(seq: int, seed: int) -> Dict[str, Any]:
+            ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seed))
+            return shard_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank, sp, layout=layout)
+
+        # one step at a short length first: the optimizer's states exist from the first step on, and a
+        # trial must see them (the first step of a group would otherwise peak without them)
+        step(batch(WARMUP_TOKENS_PER_RANK * sp, 999))
+        gc.collect()
+        res_q.put((rank, "ready", {"baseline_kb": baseline, "after_init_kb": after_init,
+                                   "after_warmup_kb": proc_status_kb("VmRSS")}))
         while True:
             seq = cmd_q.get()
             if seq is None:
                 break
-            g = torch.Generator().manual_seed(1000 + dp_rank)
-            ids = torch.randint(0, vocab, (1, seq), generator=g)
-            b = shard_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank, sp,
-                            layout="zigzag" if attention == "ring" else "contiguous")
-            del ids
+            b = batch(seq, 1000 + dp_rank)
             gc.collect()
             dist.barrier()
             reset_peak_rss()
@@ -268,29 +280,35 @@ def wait_for_memory(need_gib: float, log=print) -> float:
 
 
 def predict(model_name: str, name: str, seq: int, baseline_kb: int) -> Dict[str, float]:
-    """Bytes per rank the estimator gives (see the module docstring), with the measured baseline."""
+    """Bytes per rank the estimator gives (:func:`shardspeed.estimate.long_context.long_context_peak`: the
+    long-context activations priced with the plan's model states, gathered units and buckets), plus the
+    measured baseline (the process before the model is built)."""
     import torch
 
-    from shardspeed.estimate.activations import TransformerShape
-    from shardspeed.estimate.long_context import long_context_activations
-    from shardspeed.zero.stage3_units import select_units, unit_max_numel
+    from shardspeed.estimate.long_context import long_context_peak
+    from shardspeed.estimate.model import describe_module
 
     system, world, sp, attention, tiled = CONFIGS[name]
     m = MODELS[model_name]
+    cfg = dict(_config(sp, tiled), optimizer={"type": "AdamW", "params": {"lr": LR}})
     with torch.device("meta"):
-        model = _build(model_name)
-    psi = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in ps) for _, ps in select_units(model, unit_max_numel(psi, 50_000_000)))
-    shape = TransformerShape(n_layer=m["num_hidden_layers"], hidden=m["hidden_size"], n_head=m["num_attention_heads"],
-                             vocab=m["vocab_size"], ffn_hidden=m["intermediate_size"], max_seq=seq)
-    act = long_context_activations(shape, 1, seq, 4, sp=sp, attention=attention, checkpointing=True,
-                                   offload=tiled, mlp_tiles=TILES if tiled else 1,
-                                   loss_tiles=TILES if tiled else 1, kv_heads=m["num_key_value_heads"])
-    states = 16.0 * psi / world  # ZeRO 3 over data x sequence = the world
-    gathered = 3.0 * 4 * largest  # the unit in use, the one prefetched, its gradient bucket
-    total = baseline_kb * 1024.0 + states + gathered + act.device_peak + act.host_bytes
-    return {"psi": psi, "states": states, "gathered": gathered, "activations": act.device_peak + act.host_bytes,
-            "total": total}
+        spec = describe_module(_build(model_name), cfg, shape=_shape(model_name, seq))
+    est, act = long_context_peak(spec, cfg, world, seq, 4, sp=sp, attention=attention, offload=tiled,
+                                 mlp_tiles=TILES if tiled else 1, loss_tiles=TILES if tiled else 1,
+                                 kv_heads=m["num_key_value_heads"])
+    terms = est.terms
+    act_bytes = terms.get("activations", 0.0)
+    return {"psi": spec.num_params, "states": sum(terms.get(k, 0.0) for k in ("params", "master", "optimizer", "grads")),
+            "stage3_buffers": sum(terms.get(k, 0.0) for k in ("gathered", "grad_buckets")),
+            "activations": act_bytes, "total": baseline_kb * 1024.0 + est.total, "phase": est.phase}
+
+
+def _shape(model_name: str, seq: int):
+    from shardspeed.estimate.activations import TransformerShape
+
+    m = MODELS[model_name]
+    return TransformerShape(n_layer=m["num_hidden_layers"], hidden=m["hidden_size"], n_head=m["num_attention_heads"],
+                            vocab=m["vocab_size"], ffn_hidden=m["intermediate_size"], max_seq=seq)
 
 
 # ---- the search -------------------------------------------------------------------------------------------
@@ -327,6 +345,7 @@ def search(name: str, args, log=print) -> Dict[str, Any]:
                 t = max(r["time_s"] for r in res)
                 pred = predict(args.model, name, seq, max(i["baseline_kb"] for i in info))
                 row = {"seq": seq, "over": False, "peak_kb": peak, "time_s": t,
+                       "start_kb": max(r["start_kb"] for r in res),
                        "s_per_token": t / (seq * world // sp), "loss": res[0]["loss"],
                        "predicted_kb": pred["total"] / 1024, "prediction": pred}
                 trials.append(row)
@@ -368,7 +387,7 @@ def table(results: Dict[str, Dict[str, Any]], args) -> str:
             lines.append(f"shardspeed / DeepSpeed at SP 2, world 2: longest {ss['longest'] / ds['longest']:.2f}x, "
                          f"step time at DeepSpeed's longest {at[0]['time_s'] / dt[0]['time_s']:.2f}x")
     lines.append(f"model {args.model}, fp32, ZeRO 3, micro-batch 1, cap {args.cap_gib} GiB per rank; "
-                 f"taken under load (shared 2-core box)")
+                 f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared 2-core box)")
     return "\n".join(lines)
 
 
@@ -399,6 +418,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in names:
         print(f"{name} ({CONFIGS[name]})", flush=True)
         results[name] = search(name, args, log=lambda s: print(s, flush=True))
+        with open(out, "w") as f:
+            json.dump({"model": args.model, "cap_gib": args.cap_gib, "results": results}, f, indent=1)
+    ss, ds = results.get("ss-sp2-w2"), results.get("ds-sp2-w2")
+    if ss and ds and ds["longest"] and not any(t["seq"] == ds["longest"] for t in ss["trials"]):
+        print(f"ss-sp2-w2 at DeepSpeed's longest, {ds['longest']} tokens", flush=True)
+        at = argparse.Namespace(**dict(vars(args), start=ds["longest"], max_seq=ds["longest"]))
+        ss["trials"] += search("ss-sp2-w2", at, log=lambda s: print(s, flush=True))["trials"]
         with open(out, "w") as f:
             json.dump({"model": args.model, "cap_gib": args.cap_gib, "results": results}, f, indent=1)
     print(table(results, args))

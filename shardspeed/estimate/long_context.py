@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Tuple
 
 from ..errors import ConfigError
-from .activations import TransformerShape
+from .activations import ActivationProfile, TransformerShape
+from .model import ModelSpec
+from .peak import PeakEstimate, estimate_peak
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,22 @@ def long_context_activations(shape: TransformerShape, micro_batch: int, seq_len:
     host = saved if (checkpointing and offload) else 0.0
     device = (saved - host) + max(head, layer if checkpointing else 0.0)
     return LongContextActivations(device_peak=device, host_bytes=host, local_tokens=local)
+
+
+def long_context_peak(spec: ModelSpec, config: Any, world_size: int, seq_len: int, elem_bytes: int, *,
+                      sp: int = 1, attention: str = "ulysses", offload: bool = False, mlp_tiles: int = 1,
+                      loss_tiles: int = 1, kv_heads: int = 0) -> Tuple[PeakEstimate, LongContextActivations]:
+    """The per-rank peak of training ``spec`` on one ``seq_len``-token sample over ``sp`` sequence ranks
+    (checkpointing every layer): :func:`long_context_activations` priced by
+    :func:`~.peak.estimate_peak` with everything else the plan of ``config`` holds (model states sharded
+    over data × sequence, stage 3's gathered units and gradient buckets). ``PeakEstimate.total`` is device
+    plus host: the memory of a CPU-only machine."""
+    if spec.shape is None:
+        raise ConfigError(f"{spec.name}: no transformer shape (layers, hidden, heads, vocabulary) to price")
+    act = long_context_activations(spec.shape, 1, seq_len, elem_bytes, sp=sp, attention=attention,
+                                   checkpointing=True, offload=offload, mlp_tiles=mlp_tiles, loss_tiles=loss_tiles,
+                                   kv_heads=kv_heads)
+    live = act.device_peak + act.host_bytes
+    profile = ActivationProfile(forward_bytes=live, peak_bytes=live, micro_batch=1, seq_len=seq_len,
+                                checkpointing=True, source="fitted")
+    return estimate_peak(spec.with_activations(profile), config, world_size=world_size), act
