@@ -140,6 +140,33 @@ def test_param_file_holds_the_shard(tmp_path):
     assert not os.path.exists(pf.dir)
 
 
+def test_param_file_read_ahead_gives_the_bytes_as_of_the_gather(tmp_path):
+    """A read started ahead (in the background) is what the next gather gets; a write in between replaces
+    it; a corrupt region fails at the gather that uses the read-ahead, with the same error as a plain read."""
+    from shardspeed.offload.param_file import FilePlacement, NvmeParamFile
+    from shardspeed.zero.unit import ShardedParamUnit
+
+    pf = NvmeParamFile(str(tmp_path), rank=0)
+    p = torch.nn.Parameter(torch.randn(6000))
+    want = p.detach()[:3000].clone()
+    u = ShardedParamUnit([p], world=2, rank=0, placement=FilePlacement(pf))
+    u.placement.read_ahead()
+    assert torch.equal(u.shard_on_device(), want)
+    u.placement.read_ahead()
+    u.write_shard(torch.ones(5), lo=2)  # waits for the read in flight, drops it
+    want[2:7] = 1
+    assert torch.equal(u.shard_on_device(), want) and torch.equal(u.shard, want)
+    with open(pf.path, "r+b") as f:  # a byte flip on disk
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    u.placement.read_ahead()
+    with pytest.raises(Exception, match="NVMe swap corrupted"):
+        u.shard_on_device()
+    pf.close()
+
+
 # ---- the kernel ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("threads", [1, 3])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch
@@ -50,7 +51,10 @@ class NvmeParamFile:
             remove_swap_dir(self.dir)
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot create the parameter file "
                               f"({e.strerror})") from e
-        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.fd, self.dir)
+        # one background reader for read-ahead (FilePlacement.read_ahead): the read and its checksum run off the
+        # training thread; made at first use
+        self._reader: List[ThreadPoolExecutor] = []
+        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.fd, self.dir, self._reader)
         logger.info("NVMe parameter shards: %s", self.path)
 
     def reserve(self, numel: int, dtype: torch.dtype) -> int:
@@ -81,6 +85,12 @@ class NvmeParamFile:
             found = _rw_all(os.preadv, self.fd, out, offset, "read", self.path, checksum=expected is not None)
             check_sums(expected, found, self.path, self._what(offset), offset)
         return out
+
+    def read_async(self, offset: int, numel: int, dtype: torch.dtype) -> Future:
+        """:meth:`read` in the background reader; its error (a corrupt region) is raised by ``result()``."""
+        if not self._reader:
+            self._reader.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardspeed-param-read"))
+        return self._reader[0].submit(self.read, offset, numel, dtype)
 
     def _what(self, offset: int) -> str:
         return f"the parameter shard region at byte {offset} ({self._size.get(offset, 0)} bytes)"
@@ -124,7 +134,9 @@ class NvmeParamFile:
         return start, stage
 
     @staticmethod
-    def _cleanup(fd: int, directory: str) -> None:
+    def _cleanup(fd: int, directory: str, reader: List[ThreadPoolExecutor]) -> None:
+        for pool in reader:
+            pool.shutdown(wait=True)  # a read in flight finishes before its file goes
         try:
             os.close(fd)
         except OSError:
@@ -150,6 +162,7 @@ class FilePlacement(ShardPlacement):
         self.numel = 0
         self.dtype = torch.float32
         self._device = torch.device("cpu")
+        self._ahead: Optional[Future] = None  # a read started by read_ahead, not yet used
 
     def hold(self, shard: torch.Tensor, device: torch.device) -> None:
         self.numel, self.dtype, self._device = shard.numel(), shard.dtype, device
@@ -157,13 +170,23 @@ class FilePlacement(ShardPlacement):
         self.write(shard)
 
     def read(self) -> torch.Tensor:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # read since the last write: the same bytes, already checked
+            return ahead.result()
         return self.file.read(self.offset, self.numel, self.dtype)
 
+    def read_ahead(self) -> None:
+        if self._ahead is None and self.numel:
+            self._ahead = self.file.read_async(self.offset, self.numel, self.dtype)
+
     def write(self, t: torch.Tensor, lo: int = 0) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # the region is about to change: a read in flight must not overlap the write
+            ahead.exception()
         self.file.write(self.offset, self.numel, self.dtype, t, lo)
 
     def to_device_for_gather(self) -> torch.Tensor:
-        return self.read().to(self._device)  # a synchronous read, then the host→device copy
+        return self.read().to(self._device)  # the read (or the read-ahead's result), then the host→device copy
 
     def close(self) -> None:
         self.file.close()

@@ -45,6 +45,10 @@ class ShardPlacement:
         copy the caller keeps alive until the gather is done."""
         raise NotImplementedError
 
+    def read_ahead(self) -> None:
+        """A gather of this shard comes soon: start fetching it (a file: read it in the background), so that
+        :meth:`to_device_for_gather` finds it read. No-op where the shard is in memory."""
+
     def resident(self) -> Optional[torch.Tensor]:
         """The tensor held in memory (device or host), or None when the shard is in a file."""
         return None

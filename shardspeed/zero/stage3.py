@@ -89,6 +89,7 @@ class ParamManager:
         self._replan = False  # a forward found a unit read outside the modules that gather it: trace again
         self._uses_seen = 0
         self.gather_count = 0
+        self._in_files = any(u.placement.in_file for u in self.units)  # offload_param nvme: read ahead
         self.read_gathers = 0  # gathers started by a parameter read (a unit its hooks did not gather)
         self._owners = list(owners)
         # every rank gathers the same units: one small all-reduce per batch of gathers, checked before use
@@ -153,6 +154,18 @@ class ParamManager:
             own = self.units[i].comm  # an expert unit: gathered over its expert-data group, exact
             self.units[i].start_gather(own if own is not None else comm, self._secondary if own is None else None)
             self.gather_count += 1
+        if self._in_files:
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """offload_param nvme: start reading the shard of the next unit in traced order not gathered yet, in
+        the background, so its gather finds it read (and its checksum checked) instead of reading then."""
+        order = self._trace.get(self._phase)
+        for nxt in (order or [])[self._pos[self._phase] + 1 :]:
+            u = self.units[nxt]
+            if u.state is not UnitState.GATHERED and not u.gathering:
+                u.placement.read_ahead()
+                return
 
     def _prefetch_plan(self, index: int, starting: List[int]) -> List[int]:
         """The units to all-gather ahead of use after ``index``, from the traced order: the window ahead of
