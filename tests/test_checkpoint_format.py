@@ -228,3 +228,14 @@ def test_written_file_records_the_crc_of_its_bytes(tmp_path):
     for key, _ in items:
         lo, hi = header[key]["data_offsets"]
         assert w.tensor_crc32[key] == zlib.crc32(data[head + lo : head + hi])
+
+
+def test_the_checkpoint_crc32_is_zlibs():
+    """Whichever CRC-32 the format uses (zlib-ng's when installed), it gives zlib's values, with a running value."""
+    import zlib
+
+    from shardspeed.checkpoint.format import crc32
+
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    b = data.numpy().tobytes()
+    assert crc32(b) == zlib.crc32(b) and crc32(b[7:], crc32(b[:7])) == zlib.crc32(b)

@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -21,6 +20,11 @@ import torch
 from ..errors import CheckpointError
 
 WRITE_CHUNK_BYTES = 64 << 20
+
+try:  # zlib-ng's CRC-32: zlib's values, about 7 times faster (SIMD); ``pip install shardspeed[fast]``
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - depends on the install
+    from zlib import crc32
 
 DTYPE_TO_ST: Dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -189,7 +193,7 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
 
         head = struct.pack("<Q", len(hb)) + hb
         emit(head)
-        crc = out.header_crc32 = zlib.crc32(head)
+        crc = out.header_crc32 = crc32(head)
         for key, t in items:
             if isinstance(t, LazyTensor):
                 t = t.materialize()
@@ -201,7 +205,7 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
                 if part.device.type != "cpu":
                     part = part.cpu()  # one slice on the host at a time; a device sync point
                 buf = tensor_bytes(part.contiguous())
-                tcrc = zlib.crc32(buf, tcrc)  # the bytes pass once: the file's CRC is combined from the tensors'
+                tcrc = crc32(buf, tcrc)  # the bytes pass once: the file's CRC is combined from the tensors'
                 emit(buf)
             out.tensor_crc32[key] = tcrc
             crc = crc32_combine(crc, tcrc, flat.numel() * flat.element_size())
@@ -238,7 +242,7 @@ def write_file_synced(path: str, data: bytes) -> int:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return zlib.crc32(data)
+    return crc32(data)
 
 
 # ---- reading -------------------------------------------------------------------------------------------
@@ -279,7 +283,7 @@ class ShardReader:
                         raise ValueError("header cut short")
                     want = self.header_crc32.get(file)
                     if want is not None:
-                        got = zlib.crc32(text, zlib.crc32(raw))
+                        got = crc32(text, crc32(raw))
                         if got != want:
                             raise CheckpointError(
                                 f"checkpoint file {path}: its header fails its checksum (crc32 {got:#010x}, "
@@ -320,7 +324,7 @@ class ShardReader:
             if got != hi - lo:
                 raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
         if self.verify and crc is not None:
-            got_crc = zlib.crc32(buf) if buf is not None else 0
+            got_crc = crc32(buf) if buf is not None else 0
             if got_crc != crc:
                 raise CheckpointError(
                     f"checkpoint file {path}: tensor {key!r} fails its checksum "
@@ -360,7 +364,7 @@ class ShardReader:
                 buf = f.read(min(self.CHECK_CHUNK_BYTES, hi - pos))
                 if not buf:
                     raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
-                got_crc = zlib.crc32(buf, got_crc)
+                got_crc = crc32(buf, got_crc)
                 pos += len(buf)
         if got_crc != crc:
             raise CheckpointError(

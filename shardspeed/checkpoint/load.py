@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,7 +14,7 @@ import torch
 from ..errors import CheckpointError
 from .commit import read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
-from .format import ShardReader
+from .format import ShardReader, crc32
 from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, entries_for, rank_file, read_range
 from .slices import Spec
 
@@ -195,7 +194,7 @@ def _read_common(path: str, meta: CheckpointMetadata) -> Dict[str, Any]:
             data = f.read()
     except OSError as exc:
         raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}") from exc
-    got = zlib.crc32(data)
+    got = crc32(data)
     if got != info.crc32:
         raise CheckpointError(f"checkpoint file {file} fails its checksum (crc32 {got:#010x}, expected "
                               f"{info.crc32:#010x}); the file is corrupt")

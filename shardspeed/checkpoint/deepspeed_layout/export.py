@@ -14,7 +14,6 @@ import io
 import logging
 import math
 import os
-import zlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,7 +22,7 @@ import torch
 from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import read_latest, resolve
-from ..format import NAME_TO_DTYPE, ShardReader
+from ..format import NAME_TO_DTYPE, ShardReader, crc32
 from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
 from .layout import zero3_piece
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
@@ -46,7 +45,7 @@ class _Ours:
         file = os.path.join(self.path, COMMON_FILE)
         with open(file, "rb") as f:
             data = f.read()
-        if zlib.crc32(data) != self.meta.files[COMMON_FILE].crc32:
+        if crc32(data) != self.meta.files[COMMON_FILE].crc32:
             raise CheckpointError(f"checkpoint file {file} fails its checksum; the file is corrupt")
         self.common: Dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         self.trained = registration_order(self.meta)
