@@ -70,37 +70,40 @@ def wants_long_context(args: argparse.Namespace) -> bool:
 
 
 def long_context_command(args: argparse.Namespace) -> int:
-    """Per rank at ZeRO 3 over ``--world`` ranks: model states (16 bytes per parameter in fp32, 18 in
-    mixed precision with fp32 masters) and :func:`~.long_context.long_context_activations` for one
-    ``--seq-len`` sample split over ``--sp`` ranks (``--ring``, ``--tiles``, ``--offload-activations``)."""
-    from .long_context import long_context_activations
+    """Per rank at ZeRO 3 over ``--world`` ranks (``--sp`` of them per sequence): the estimator's peak for one
+    ``--seq-len`` sample (:func:`~.long_context.long_context_peak`: the long-context activations, ``--ring``,
+    ``--tiles``, ``--offload-activations``, priced with the plan's model states, gathered units and buckets)."""
+    from .long_context import long_context_peak
 
     if not args.seq_len:
         raise ConfigError("--sp/--tiles/--offload-activations need --seq-len (the tokens of one sample)")
-    base = _base_config(args)
     source = args.hf_config or args.model or args.preset
-    spec = describe(source, base, micro_batch=1, seq_len=args.seq_len, trace=False)
-    if spec.shape is None:
-        raise ConfigError(f"{spec.name}: no transformer shape (layers, hidden, heads, vocabulary) to price")
     sp, world, tiles = int(args.sp or 1), int(args.world), int(args.tiles or 1)
     if sp < 1 or world % sp:
         raise ConfigError(f"--sp {sp} must divide --world {world}")
+    base = dict(_base_config(args))
+    base["zero_optimization"] = dict(base.get("zero_optimization") or {}, stage=3)
+    base["sequence_parallel_size"] = sp
+    spec = describe(source, base, micro_batch=1, seq_len=args.seq_len, trace=False)
     e = 4 if args.dtype == "fp32" and not args.config else 2
     kv = int(getattr(args, "kv_heads", 0) or 0)
-    act = long_context_activations(spec.shape, 1, args.seq_len, e, sp=sp, attention="ring" if args.ring else "ulysses",
-                                   checkpointing=True, offload=args.offload_activations, mlp_tiles=tiles,
-                                   loss_tiles=tiles, kv_heads=kv)
-    states = (16.0 if e == 4 else 18.0) * spec.num_params / world
-    rows = {"model_states": states, "activations_device": act.device_peak, "activations_host": act.host_bytes,
-            "total": states + act.device_peak + act.host_bytes}
+    est, act = long_context_peak(spec, base, world, args.seq_len, e, sp=sp, attention="ring" if args.ring else "ulysses",
+                                 offload=args.offload_activations, mlp_tiles=tiles, loss_tiles=tiles, kv_heads=kv)
+    terms = est.terms
+    rows = {"model_states": sum(est.model_states.values()), "activations_device": act.device_peak,
+            "activations_host": act.host_bytes,
+            "stage3_buffers": sum(v for k, v in terms.items() if k.startswith(("gathered", "grad_buckets"))),
+            "total": est.total}
     if args.json:
         print(json.dumps({"model": spec.name, "num_params": spec.num_params, "world_size": world, "sp": sp,
-                          "seq_len": args.seq_len, "local_tokens": act.local_tokens, "bytes_per_rank": rows}, indent=2))
+                          "seq_len": args.seq_len, "local_tokens": act.local_tokens, "phase": est.phase,
+                          "bytes_per_rank": rows}, indent=2))
         return 0
     print(f"Long context per rank: {spec.name}, {spec.num_params:,} parameters, one sample of {args.seq_len:,} tokens "
           f"over SP {sp} ({act.local_tokens:,} tokens per rank), world {world}, ZeRO 3, checkpointing"
           f"{', ring attention' if args.ring else ''}{f', {tiles} tiles' if tiles > 1 else ''}"
-          f"{', activations offloaded' if args.offload_activations else ''}; GB = 1e9 bytes")
+          f"{', activations offloaded' if args.offload_activations else ''}; GB = 1e9 bytes; total: the peak "
+          f"({est.phase}), model states as the optimizer step sees them")
     for k, v in rows.items():
         print(f"  {k:<20}{v / 1e9:>10.3f}")
     return 0
