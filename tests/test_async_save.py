@@ -10,10 +10,13 @@ and check that ``latest`` still names the previous checkpoint, which loads.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
 import signal
+import threading
+import time
 
 import torch
 from distributed import run_distributed
@@ -60,9 +63,10 @@ def _cases(d):
         e = _engine(stage, kind=kind)
         _train(e, 2, kind)
         e.save_checkpoint(f"{d}/sync{stage}", tag="t")
-        path = e.save_checkpoint(f"{d}/async{stage}", tag="t", async_save=True)
-        after = _train(e, 3, kind)  # while the writer runs; these steps change every saved tensor
-        e.destroy()
+        with _slow_writer():  # the writer reads host tensors in place: the next optimizer step must wait for it
+            path = e.save_checkpoint(f"{d}/async{stage}", tag="t", async_save=True)
+            after = _train(e, 3, kind)  # while the writer runs; these steps change every saved tensor
+            e.destroy()
         out[stage] = {"path": path, "after": after, "steps": e.global_steps}
         fresh = _engine(stage, kind=kind)
         fresh.load_checkpoint(f"{d}/async{stage}")
@@ -75,9 +79,28 @@ def _cases(d):
     out["sync_snapshot"] = saves.snapshot_bytes
     _train(e, 1)
     e.save_checkpoint(f"{d}/cfg")
-    out["async_snapshot"] = saves.snapshot_bytes
+    out["async_snapshot"], out["async_in_place"] = saves.snapshot_bytes, saves.in_place_bytes
     out["loaded"] = e.load_checkpoint(f"{d}/cfg")[0]  # waits for the save first
     return out
+
+
+@contextlib.contextmanager
+def _slow_writer():
+    """Every CRC the checkpoint writer thread computes takes 50 ms more (the training thread's do not)."""
+    import shardspeed.checkpoint.format as fmt
+
+    real = fmt.crc32
+
+    def slow(data, value=0):
+        if threading.current_thread().name.startswith("shardspeed-checkpoint-writer"):
+            time.sleep(0.05)
+        return real(data, value)
+
+    fmt.crc32 = slow
+    try:
+        yield
+    finally:
+        fmt.crc32 = real
 
 
 def _limit_rank1_file_size(nbytes: int) -> None:
@@ -125,7 +148,8 @@ def test_async_save_equals_sync_and_survives_training(tmp_path):
         for r in (r0, r1):
             assert r[stage]["resumed"] == r[stage]["after"], stage  # exact: the snapshot is the state at step 2
     assert read_latest(f"{d}/async1") == "t"
-    assert r0["sync_snapshot"] == 0 and r0["async_snapshot"] > 0
+    # on the CPU nothing is copied: the writer reads the engine's tensors in place
+    assert r0["sync_snapshot"] == 0 and r0["async_snapshot"] == 0 and r0["async_in_place"] > 0
     assert r0["loaded"] == f"{d}/cfg/global_step1" and read_latest(f"{d}/cfg") == "global_step1"
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
@@ -77,15 +78,22 @@ def _writer_group(coord: Collectives) -> WriterGroup:
 
 class AsyncSaves:
     """One engine's asynchronous saves: the writer group (made on first use), the save in flight, its
-    outcome, and the staging buffers (pinned on CUDA), kept for the next save of the same layout."""
+    outcome, and (on CUDA) the pinned staging buffers, kept for the next save of the same layout."""
 
     def __init__(self) -> None:
         self._group: Optional[WriterGroup] = None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[str] = None
-        self._staging: List[torch.Tensor] = []
-        #: bytes of the last snapshot (this rank's host copy of its state)
+        self._pinned: List[torch.Tensor] = []
+        self._reading: Optional[threading.Event] = None  # set once the writer has written the live tensors
+        #: bytes of the last save's snapshot (device tensors copied to pinned memory, offloaded ranges read)
         self.snapshot_bytes = 0
+        #: bytes of the last save written from the engine's own host tensors, in place
+        self.in_place_bytes = 0
+        #: the last save's writer thread: CPU seconds (its own, ``time.thread_time``) and wall seconds
+        self.writer_cpu_s = self.writer_wall_s = 0.0
+        #: seconds the last optimizer step waited for the writer to finish with the tensors it reads in place
+        self.update_wait_s = 0.0
 
     @property
     def in_flight(self) -> bool:
@@ -101,10 +109,10 @@ class AsyncSaves:
         try:
             collect(view, job, client_state)
             job.items, ready = self._stage(job.items)
-            self.snapshot_bytes = job.snapshot_bytes()
         except Exception as exc:
             err = f"rank {view.rank} could not snapshot its state for an asynchronous save: {type(exc).__name__}: {exc}"
         view.agree(err)
+        job.on_written = self._reading.set if self._reading is not None else None
         self._thread = threading.Thread(target=self._run, args=(job, self._group, ready),
                                         name=f"shardspeed-checkpoint-writer-{job.tag}", daemon=False)
         self._thread.start()
@@ -112,30 +120,49 @@ class AsyncSaves:
 
     def _stage(self, items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]]
                ) -> Tuple[List[Tuple[str, Union[torch.Tensor, LazyTensor]]], Optional[Any]]:
-        """Host copies of ``items``, into staging buffers kept for the next save of the same layout (pinned
-        for device tensors; copying into memory already mapped is several times faster than into fresh
-        pages, and the process's memory stays level from one save to the next). Device tensors are copied
-        on the current stream (ordered before any later kernel that changes them; the writer waits on the
-        returned event before reading); an offloaded optimizer's lazy ranges are read now."""
-        tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
-        layout = [(tuple(t.shape), t.dtype, t.device.type == "cuda") for t in tensors]
-        if [(tuple(b.shape), b.dtype, b.is_pinned()) for b in self._staging] != layout:
-            self._staging = [torch.empty(s, dtype=dt, pin_memory=pin) for s, dt, pin in layout]
-        staging = iter(self._staging)
+        """What the writer writes. Device tensors: copies in pinned buffers (kept for the next save of the same
+        layout), made on the current stream (ordered before any later kernel that changes them; the writer
+        waits on the returned event before reading). An offloaded optimizer's lazy ranges: read now (the swap
+        files change at the next step). Host tensors: as they are, read by the writer in place; the engine's
+        next optimizer step waits until they are written (:meth:`before_update`), so they cost no copy and no
+        memory."""
+        on_device = [(tuple(t.shape), t.dtype) for _, t in items if isinstance(t, torch.Tensor) and t.is_cuda]
+        if [(tuple(b.shape), b.dtype) for b in self._pinned] != on_device:
+            self._pinned = [torch.empty(s, dtype=dt, pin_memory=True) for s, dt in on_device]
+        pinned = iter(self._pinned)
         out: List[Tuple[str, Union[torch.Tensor, LazyTensor]]] = []
+        copied = in_place = 0
         for key, t in items:
-            if isinstance(t, torch.Tensor):
-                out.append((key, next(staging).copy_(t.detach(), non_blocking=t.device.type == "cuda")))
+            if isinstance(t, LazyTensor):
+                t = t.materialize()
+                copied += t.numel() * t.element_size()
+            elif t.is_cuda:
+                t = next(pinned).copy_(t.detach(), non_blocking=True)
+                copied += t.numel() * t.element_size()
             else:
-                out.append((key, t.materialize()))
+                t = t.detach()
+                in_place += t.numel() * t.element_size()
+            out.append((key, t))
+        self.snapshot_bytes, self.in_place_bytes, self.update_wait_s = copied, in_place, 0.0
+        self._reading = threading.Event() if in_place else None
         ready = None
-        if any(pin for *_, pin in layout):
+        if on_device:
             ready = torch.cuda.Event()
             ready.record()
         return out, ready
 
+    def before_update(self) -> None:
+        """The engine is about to change its state (an optimizer step): wait until the save in flight has
+        written the host tensors it reads in place (its files are written; it may still be committing)."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            t0 = time.perf_counter()
+            reading.wait()
+            self.update_wait_s = time.perf_counter() - t0
+
     def _run(self, job: RankSave, group: WriterGroup, ready: Optional[Any]) -> None:
         _lowest_cpu_priority()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -144,6 +171,10 @@ class AsyncSaves:
             remove_leftovers(job.rank, job.tmp if job.rank == 0 else None, job.tmp)
             self._error = f"the asynchronous save of {job.final} failed: {exc}"
             logger.error("%s", self._error)
+        finally:
+            if job.on_written is not None:  # (a failed write never set it)
+                job.on_written()
+            self.writer_cpu_s, self.writer_wall_s = time.thread_time() - cpu0, time.perf_counter() - t0
 
     def wait(self, coord: Collectives) -> None:
         """Wait for the save in flight, if any, and raise its error on every rank (an all-gather over

@@ -13,7 +13,7 @@ import os
 import signal
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -160,9 +160,10 @@ def fsync_dir(path: str) -> None:
 
 
 def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, LazyTensor]]], metadata: Optional[Dict[str, str]] = None,
-                      rank: int = 0) -> WrittenFile:
+                      rank: int = 0, on_written: Optional[Callable[[], None]] = None) -> WrittenFile:
     """Write ``items`` (key, tensor) to ``path`` as safetensors, streaming, then fsync. Tensors are stored
-    with their own shape and dtype."""
+    with their own shape and dtype. ``on_written()`` runs once every byte is handed to the OS, before the
+    fsync (the tensors are not read after it)."""
     header: Dict[str, object] = {}
     off = 0
     for key, t in items:
@@ -210,6 +211,8 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
             out.tensor_crc32[key] = tcrc
             crc = crc32_combine(crc, tcrc, flat.numel() * flat.element_size())
         f.flush()
+        if on_written is not None:
+            on_written()
         os.fsync(f.fileno())
     out.bytes, out.crc32 = written, crc
     return out

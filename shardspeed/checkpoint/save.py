@@ -221,7 +221,7 @@ def remove_leftovers(rank: int, mine: Optional[str], tmp: Optional[str]) -> None
 @dataclass
 class RankSave:
     """One rank's part of one save: where it goes and, once :func:`collect` ran, what it writes (tensors:
-    the engine's own for a synchronous save, host copies for an asynchronous one) and what rank 0 needs."""
+    the engine's own; an asynchronous save's device tensors as pinned host copies) and what rank 0 needs."""
 
     rank: int
     save_dir: str
@@ -235,13 +235,13 @@ class RankSave:
     record: Dict[str, Any] = field(default_factory=dict)  # what every rank sends rank 0 (CRCs added on writing)
     meta: Dict[str, Any] = field(default_factory=dict)  # rank 0: the CheckpointMetadata fields of the whole
     common: bytes = b""  # rank 0: common.pt, serialised when collected (later changes do not reach it)
+    #: called once this rank's file holds every tensor's bytes (before its fsync): an asynchronous save
+    #: that reads the engine's host tensors in place lets the next optimizer step go on
+    on_written: Optional[Callable[[], None]] = None
 
     @property
     def final(self) -> str:
         return os.path.join(self.save_dir, self.tag)
-
-    def snapshot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.items)
 
 
 def collect(view: EngineView, job: RankSave, client_state: Optional[dict]) -> None:
@@ -271,7 +271,8 @@ def write_and_commit(job: RankSave, coord: Coordination, collect_now: Optional[C
         if collect_now is not None:
             collect_now()
         written = write_safetensors(os.path.join(job.tmp, rank_file(job.rank)), job.items,
-                                    metadata={"format": "pt", "shardspeed_rank": str(job.rank)}, rank=job.rank)
+                                    metadata={"format": "pt", "shardspeed_rank": str(job.rank)}, rank=job.rank,
+                                    on_written=job.on_written)
         for e in job.entries:
             if e.file:
                 e.crc32 = written.tensor_crc32[e.key]

@@ -366,6 +366,8 @@ class Engine(nn.Module):
 
     def _optimizer_step(self) -> None:
         p = self._p
+        if p.async_saves is not None:  # a save in flight may be writing the state this step changes
+            p.async_saves.before_update()
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
         if p.param_manager is not None:
             p.param_manager.after_step()
