@@ -1,7 +1,5 @@
-"""The training engine: DeepSpeed's method names, thin orchestration over parts built once.
-
-The engine never reads the config: :mod:`shardspeed.runtime.builder` decides which parts to assemble and
-hands them over in :class:`EngineParts`.
+"""The training engine: DeepSpeed's method names, thin orchestration over parts built once. The engine never
+reads the config: :mod:`shardspeed.runtime.builder` decides which parts to assemble (:class:`EngineParts`).
 """
 from __future__ import annotations
 
@@ -366,8 +364,7 @@ class Engine(nn.Module):
 
     def _optimizer_step(self) -> None:
         p = self._p
-        if p.async_saves is not None:  # a save in flight may be writing the state this step changes
-            p.async_saves.before_update()
+        p.async_saves.before_update()  # a save in flight may still be writing the state this step changes
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
         if p.param_manager is not None:
             p.param_manager.after_step()
