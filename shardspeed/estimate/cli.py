@@ -82,7 +82,7 @@ def long_context_command(args: argparse.Namespace) -> int:
     if sp < 1 or world % sp:
         raise ConfigError(f"--sp {sp} must divide --world {world}")
     base = dict(_base_config(args))
-    base["zero_optimization"] = dict(base.get("zero_optimization") or {}, stage=3)
+    base["zero_optimization"] = dict(base.pop("zero_optimization", None) or {}, stage=3)  # the table is ZeRO 3's
     base["sequence_parallel_size"] = sp
     spec = describe(source, base, micro_batch=1, seq_len=args.seq_len, trace=False)
     e = 4 if args.dtype == "fp32" and not args.config else 2
