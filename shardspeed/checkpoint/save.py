@@ -283,6 +283,8 @@ def write_and_commit(job: RankSave, coord: Coordination, collect_now: Optional[C
     except Exception as exc:  # report and let every rank fail together rather than hang
         record["error"] = f"rank {job.rank} could not write its checkpoint file: {type(exc).__name__}: {exc}"
     job.items = []  # an asynchronous save's snapshot is freed here
+    if job.on_written is not None:  # (again, harmless) also when writing failed: the step must not wait on it
+        job.on_written()
     maybe_crash("after_files", job.rank)
     records = coord.all_gather_object(record)
     coord.agree(next((r["error"] for r in records if r.get("error")), None))
