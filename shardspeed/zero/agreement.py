@@ -30,8 +30,7 @@ class _Agreement:
     needed: int
     phase: str
     fingerprint: int
-    values: torch.Tensor
-    handle: CommHandle
+    handle: CommHandle  # its tensor: [max fp, max -fp, max needed, max -needed] once done
 
 
 class GatherAgreements:
@@ -52,7 +51,7 @@ class GatherAgreements:
             fp = (fp * 1_000_003 + i + 1) % (1 << 62)
         t = torch.tensor([fp, -fp, needed, -needed], dtype=torch.int64, device=device)
         handle = self._comm.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending.append(_Agreement(list(units), needed, phase, fp, t, handle))
+        self._pending.append(_Agreement(list(units), needed, phase, fp, handle))
 
     def check_before_use(self, unit: int) -> None:
         """Check every agreement up to the newest one covering ``unit`` (older ones finished long ago)."""
