@@ -9,7 +9,9 @@ and key/value ``[b, Hk, s, d]`` of this rank's ``s`` tokens; the output is ``[b,
 - :func:`ring_attention`: every rank keeps all heads; the KV blocks of the group are gathered and each
   query chunk is merged over the key chunks it may see with an online softmax (running max and
   log-sum-exp), so P is bounded by nothing but the sequence. Tokens are in the zigzag layout
-  (:mod:`.shard`): chunk r and 2P-1-r on rank r, the same causal work on every rank.
+  (:mod:`.shard`): chunk r and 2P-1-r on rank r, the same causal work on every rank. Each block is
+  recomputed in backward (a block's scores are c x c per head; kept for every block they would be the
+  rank's whole share of the attention matrix).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from ...errors import ConfigError
 from .comm import all_gather_stacked, all_to_all
@@ -109,7 +112,10 @@ def ring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         qc = q[:, :, :, half * c:(half + 1) * c]
         acc = None
         for other in range(chunk + 1 if causal else 2 * world):
-            out, lse = _block(qc, chunk_kv[other][0], chunk_kv[other][1], scale, causal and other == chunk)
+            # recomputed in backward: autograd keeps the block's inputs, not its c x c scores and probabilities
+            # (kept, they made the memory O(s x S x H) per rank, the whole attention matrix's share)
+            out, lse = checkpoint(_block, qc, chunk_kv[other][0], chunk_kv[other][1], scale,
+                                  causal and other == chunk, use_reentrant=False)
             acc = _merge(acc, out, lse)
         assert acc is not None
         outs.append(acc[0])
