@@ -7,16 +7,15 @@ from typing import Any, Dict
 
 from ..errors import ConfigError
 from .model import describe, read_json_config
+from .planning import precision_keys
 from .table import OFFLOADS, format_rows, peak_rows, rows_json
-
-_DTYPE_KEYS = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}
 
 
 def _base_config(args: argparse.Namespace) -> Dict[str, Any]:
     if args.config:
         base = read_json_config(args.config)
     else:
-        base = dict(_DTYPE_KEYS[args.dtype])
+        base = precision_keys(args.dtype)
     if args.micro_batch:
         base["train_micro_batch_size_per_gpu"] = args.micro_batch
         base.pop("train_batch_size", None)

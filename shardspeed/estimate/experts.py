@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..moe.gating import capacity_of
 from ..moe.utils import is_moe_param
 from ..plan import ModelFacts, Plan, decide
+from .planning import precision_keys
 from .states import ModelStateMemory, model_states
 
 
@@ -87,11 +88,11 @@ def moe_estimate(total_params: int, expert_params: int, world: int, ep: int, dty
     all-to-all bytes one rank sends per step too."""
     if not 0 <= expert_params <= total_params:
         raise ConfigError(f"--expert-params ({expert_params:,}) must be between 0 and --params ({total_params:,})")
-    dtype_keys = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}
     sent = capacity_all_to_all(ep=ep, **a2a).per_step if a2a else None  # type: ignore[arg-type]
     rows = []
     for stage in stages:
-        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, **dtype_keys[dtype]}
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                  **precision_keys(dtype)}
         plan = decide(config, world, ModelFacts(ep_size=ep))
         m = moe_model_states(plan, total_params - expert_params, expert_params)
         row = {"stage": stage, "ep": ep, "expert_data": plan.mesh.expert_shard_size, "params": m.params_device,

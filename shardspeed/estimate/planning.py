@@ -22,6 +22,12 @@ OPTIMIZER_STATE_BYTES: Dict[str, int] = {"adam": 8, "adamw": 8, "lamb": 8, "fuse
                                          "onebitadam": 8, "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4}
 
 
+def precision_keys(dtype: str) -> Dict[str, Any]:
+    """The config keys that train in ``dtype`` ("fp32", "bf16" or "fp16"), a fresh dict: the estimate command's
+    ``--dtype`` without a config."""
+    return {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[dtype]
+
+
 def _with_batch(config: Any, micro_batch: Optional[int]) -> Any:
     """``config`` with ``train_micro_batch_size_per_gpu`` = ``micro_batch`` (default 1) when it gives no batch
     size at all (the estimator prices one micro-batch; the engine would refuse such a config); None is
