@@ -160,7 +160,6 @@ class GradientReducer:
             g.written = set() if fresh else None
         return g.bucket
 
-
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a few freed buckets for the next units of the same size in this backward (transformer
         blocks all match): fewer allocations; buckets in flight plus spares stay within ``max_buckets``, or
