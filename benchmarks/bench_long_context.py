@@ -27,7 +27,7 @@ time / global tokens). Predicted: the RSS before the model is built (measured) +
 plan's model states, stage 3's gathered units and gradient buckets; on a CPU the offloaded bytes stay in
 the process, so device + host). DeepSpeed's longest length is also run by shardspeed at SP 2 on world 2 if
 its search did not try it, for the step-time ratio. JSON: benchmarks/results/long_context.json
-(``--quick``: -quick.json).
+(``--quick``: -quick.json). ``--reprice FILE...`` prices stored trials again after an estimator change.
 """
 from __future__ import annotations
 
@@ -391,8 +391,35 @@ def table(results: Dict[str, Dict[str, Any]], args) -> str:
     return "\n".join(lines)
 
 
+def reprice(paths: List[str]) -> str:
+    """Prices every measured trial of stored results again with today's estimator (the measurements and
+    the measured baseline unchanged), writes the new predictions into the files (the one made at run time is
+    kept as ``predicted_kb_at_run``) and returns a table of every trial's error."""
+    head = f"{'file':<26} {'config':<18} {'tokens':>7} {'peak GiB':>9} {'pred GiB':>9} {'err':>6}  phase"
+    lines, worst = [head, "-" * len(head)], 0.0
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for name, r in data["results"].items():
+            base = max(i["baseline_kb"] for i in r["ready"])
+            for t in (t for t in r["trials"] if not t["over"] and not name.startswith("ds")):
+                t.setdefault("predicted_kb_at_run", t["predicted_kb"])
+                t["prediction"] = predict(data["model"], name, t["seq"], base)
+                t["predicted_kb"] = t["prediction"]["total"] / 1024
+                err = t["predicted_kb"] / t["peak_kb"] - 1
+                worst = max(worst, abs(err))
+                lines.append(f"{os.path.basename(path):<26} {name:<18} {t['seq']:>7} {t['peak_kb'] / 2**20:>9.2f} "
+                             f"{t['predicted_kb'] / 2**20:>9.2f} {err:>+6.1%}  {t['prediction']['phase']}")
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    lines.append(f"largest error {worst:.1%} over {len(lines) - 2} trials")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reprice", nargs="+", metavar="JSON", default=None,
+                    help="price the stored trials of these result files again with today's estimator, and stop")
     ap.add_argument("--quick", action="store_true", help="llama-7m, a 0.9 GiB cap, start 256")
     ap.add_argument("--model", default=None, choices=sorted(MODELS))
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -404,6 +431,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--mmap-threshold", type=int, default=65536)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.reprice:
+        print(reprice(args.reprice))
+        return 0
     args.model = args.model or ("llama-7m" if args.quick else "llama-106m")
     args.cap_gib = args.cap_gib or (0.9 if args.quick else 2.0)
     args.start = args.start or (256 if args.quick else 1024)

@@ -58,7 +58,11 @@ class ActivationProfile:
     """Activation bytes of one micro-step at ``micro_batch`` × ``seq_len``: ``forward_bytes`` live when the
     forward ends (saved for backward), ``peak_bytes`` the most live at any point of forward and backward.
     ``source``: "traced", "formula", or "fitted" (given by the caller, e.g. the autotuner's zero profile that
-    leaves the activations out: used as it is at any tensor/pipeline degree and sequence length)."""
+    leaves the activations out: used as it is at any tensor/pipeline degree and sequence length).
+    ``loss_bytes``: where the loss's own working set is the larger (long sequences, a large vocabulary, the
+    model's plain loss), the most live while the loss and the logits' gradient are computed: before any
+    parameter's gradient exists and with no stage-3 unit gathered but the persistent ones, so it is priced
+    as a phase of its own (``estimate_peak``'s "loss"); 0: the loss's peak is within ``peak_bytes``."""
 
     forward_bytes: float
     peak_bytes: float
@@ -66,12 +70,13 @@ class ActivationProfile:
     seq_len: int
     checkpointing: bool
     source: str = "traced"
+    loss_bytes: float = 0.0
 
     def scaled_to(self, micro_batch: int) -> ActivationProfile:
         """The same shape at another micro-batch (activations are linear in it)."""
         f = micro_batch / self.micro_batch
         return ActivationProfile(self.forward_bytes * f, self.peak_bytes * f, micro_batch, self.seq_len,
-                                 self.checkpointing, self.source)
+                                 self.checkpointing, self.source, self.loss_bytes * f)
 
 
 def layer_saved_bytes(shape: TransformerShape, micro_batch: int, seq_len: int, elem_bytes: int, tp: int = 1,

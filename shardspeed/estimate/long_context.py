@@ -18,12 +18,16 @@ from .peak import PeakEstimate, estimate_peak
 
 @dataclass(frozen=True)
 class LongContextActivations:
-    """Bytes per rank: ``device_peak`` (device memory at the peak of a micro-step) and ``host_bytes``
-    (checkpointed inputs offloaded to host memory)."""
+    """Bytes per rank: ``device_peak`` (device memory at the peak of a micro-step, the larger of the two
+    below), ``host_bytes`` (checkpointed inputs offloaded to host memory), ``layer_peak`` (device memory
+    while a module's backward runs: a layer recomputed and differentiated, or the head with the logits'
+    gradient) and ``loss_peak`` (while the loss and the logits' gradient are computed)."""
 
     device_peak: float
     host_bytes: float
     local_tokens: int
+    layer_peak: float = 0.0
+    loss_peak: float = 0.0
 
 
 def long_context_activations(shape: TransformerShape, micro_batch: int, seq_len: int, elem_bytes: int, *,
@@ -52,10 +56,13 @@ def long_context_activations(shape: TransformerShape, micro_batch: int, seq_len:
     layer = 10 * e * sbh + mlp + attn
     sbv = float(local) * b * shape.vocab / max(1, loss_tiles)
     head = sbv * (e + 4 + 4) + 2 * e * sbh  # logits, fp32 log-softmax, their gradient; final norm
+    head_grad = sbv * 4 + 2 * e * sbh  # the logits' gradient while the head's own backward runs
     saved = shape.n_layer * e * sbh if checkpointing else shape.n_layer * layer
     host = saved if (checkpointing and offload) else 0.0
-    device = (saved - host) + max(head, layer if checkpointing else 0.0)
-    return LongContextActivations(device_peak=device, host_bytes=host, local_tokens=local)
+    layer_peak = (saved - host) + max(layer if checkpointing else 0.0, head_grad)
+    loss_peak = (saved - host) + head
+    return LongContextActivations(device_peak=max(layer_peak, loss_peak), host_bytes=host, local_tokens=local,
+                                  layer_peak=layer_peak, loss_peak=loss_peak)
 
 
 def long_context_peak(spec: ModelSpec, config: Any, world_size: int, seq_len: int, elem_bytes: int, *,
@@ -72,6 +79,11 @@ def long_context_peak(spec: ModelSpec, config: Any, world_size: int, seq_len: in
                                    checkpointing=True, offload=offload, mlp_tiles=mlp_tiles, loss_tiles=loss_tiles,
                                    kv_heads=kv_heads)
     live = act.device_peak + act.host_bytes
-    profile = ActivationProfile(forward_bytes=live, peak_bytes=live, micro_batch=1, seq_len=seq_len,
-                                checkpointing=True, source="fitted")
+    # the model's own loss runs after the last unit's forward released it, and before any gradient: a phase
+    # of its own. The tiled loss holds the head's unit gathered and makes its gradient in the forward, so
+    # it is priced with the backward's units and buckets.
+    split = loss_tiles == 1 and act.loss_peak > act.layer_peak
+    profile = ActivationProfile(forward_bytes=live, peak_bytes=act.layer_peak + act.host_bytes if split else live,
+                                micro_batch=1, seq_len=seq_len, checkpointing=True, source="fitted",
+                                loss_bytes=act.loss_peak + act.host_bytes if split else 0.0)
     return estimate_peak(spec.with_activations(profile), config, world_size=world_size), act

@@ -30,7 +30,7 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,7 +51,8 @@ Terms = Dict[str, float]
 class PeakEstimate:
     """Predicted per-rank peak bytes. ``device`` / ``host``: the larger of the training-step peak and the
     start-up peak on each; ``terms``: the parts (bytes; ``*_host`` on the host) of the training-step phase with the larger peak,
-    ``phase`` ("backward": the start of a backward, activations all alive; "step": the optimizer step);
+    ``phase`` ("backward": the start of a backward, activations all alive; "step": the optimizer step;
+    "loss": the loss and the logits' gradient, priced when the profile gives ``loss_bytes``);
     ``model_states``: parameters, gradients (the full buckets at stages 0-1, the 1/N accumulator at 2-3), master
     weights and optimizer states as the optimizer step sees them (the ZeRO paper's quantities);
     ``startup_device`` / ``startup_host``: while the engine is being built; ``nvme``: bytes of files per rank;
@@ -161,10 +162,12 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
     sizes = _sizes(spec, plan, optimizer_state_bytes(cfg),
                    _activations(spec, plan, micro_batch, seq_len, checkpointing, sequence_parallel))
     held, nvme = _held(plan, sizes)
-    backward, step = _backward(plan, sizes, held), _step(plan, sizes, held)
-    _offload_buffers(plan, sizes, (held, backward, step))
+    phases = {"backward": _backward(plan, sizes, held), "step": _step(plan, sizes, held)}
+    if sizes.act.loss_bytes:
+        phases["loss"] = _loss(plan, sizes, held)
+    _offload_buffers(plan, sizes, held, phases)
     s_dev, s_host = _startup(spec, sizes, built_dtype, zero_init, held)
-    return _peak({"backward": backward, "step": step}, s_dev, s_host, nvme, sizes.act.source)
+    return _peak(phases, s_dev, s_host, nvme, sizes.act.source)
 
 
 def _sizes(spec: ModelSpec, plan: Plan, o_b: int, act: ActivationProfile) -> _Sizes:
@@ -227,6 +230,24 @@ def _backward(plan: Plan, z: _Sizes, held: Terms) -> Terms:
     return out
 
 
+def _loss(plan: Plan, z: _Sizes, held: Terms) -> Terms:
+    """The loss and the logits' gradient (only with a profile's ``loss_bytes``): the held terms, the 1/N
+    accumulator under gradient accumulation, the persistent stage-3 units (every other unit was released
+    after its forward and is gathered again when autograd reaches it), hpZ's secondary parts; no gradient
+    buckets yet (no parameter has a gradient). Measured at SP 2 and 4 on the 106M Llama (fp32, untiled
+    loss): the peak is these terms within 2% (``benchmarks/bench_long_context.py``)."""
+    sh = plan.sharding
+    out = dict(held)
+    if sh.reduce_every_micro_step and z.gas > 1:
+        out["grads"] = z.psi / z.n_dp * z.g_b
+    if sh.partition_parameters:
+        out["gathered"] = sum(n for n in z.units if n < sh.persistence_threshold) * z.t_b
+        if plan.sharding.zeropp.hpz > 1:
+            out["hpz_secondary"] = z.psi / plan.sharding.zeropp.hpz * z.t_b
+    out["activations"] = z.act.loss_bytes
+    return out
+
+
 def _zeropp(plan: Plan, z: _Sizes) -> Terms:
     """ZeRO++'s extra bytes in a backward: hpZ's secondary parts of every unit (1/hpz of the parameters, kept
     from the forward to the step) and the codes in flight, sent and received, for one largest unit (qwZ: a
@@ -253,21 +274,21 @@ def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
     return out
 
 
-def _offload_buffers(plan: Plan, z: _Sizes, phases: Sequence[Terms]) -> None:
-    """Adds ``offload_buffers_host`` to ``(held, backward, step)``: with optimizer states on the host, the
+def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms]) -> None:
+    """Adds ``offload_buffers_host`` to ``held`` and every phase: with optimizer states on the host, the
     copier's two fp32 gradient slots (resident once the first step used them); in files, the streaming pool
     (``buffer_count`` × 3 tiles) and the copier's slots from the start, and in the step two more fp32 tiles
     in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)."""
     where = plan.placement
-    held, backward, step = phases
     if where.optimizer == "host":
         slots = _copier_slots(z.units, plan.sharding.unit_world, float(where.tile_elems))
-        held["offload_buffers_host"] = backward["offload_buffers_host"] = step["offload_buffers_host"] = slots
+        for terms in (held, *phases.values()):
+            terms["offload_buffers_host"] = slots
     elif where.optimizer == "file":
         tile = min(float(where.tile_elems), z.shard)
         pool = max(1, where.buffer_count) * 3 * tile * 4 + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
-        held["offload_buffers_host"] = backward["offload_buffers_host"] = pool
-        step["offload_buffers_host"] = pool + 2 * tile * 4
+        for name, terms in (("held", held), *phases.items()):
+            terms["offload_buffers_host"] = pool + (2 * tile * 4 if name == "step" else 0.0)
 
 
 def _peak(phases: Dict[str, Terms], s_dev: float, s_host: float, nvme: float, source: str) -> PeakEstimate:
