@@ -81,3 +81,51 @@ def test_comms_logger_switches_verbose_prof_ops_and_debug(caplog):
     assert built.keep_records and built.verbose and built.debug and built.ops == {"all_reduce"}
     off = build_comms_logger(load_config({**cfg, "comms_logger": {"enabled": False, "verbose": True}}).comms_logger)
     assert not (off.keep_records or off.verbose or off.debug) and off.ops is None
+
+
+def _exchange_cases():
+    import torch.distributed as dist
+
+    from shardspeed.comm.collectives import Collectives, CommsLogger
+    from shardspeed.mesh.topology import Topology
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    c = Collectives(Topology.data_parallel(), CommsLogger())
+    sends = []
+    real = dist.isend
+    dist.isend = lambda t, *a, **k: (sends.append(t.numel()), real(t, *a, **k))[1]
+    try:
+        out = {}
+        n = 1000  # 4000-byte chunks
+        for name, threshold in (("gloo", 1 << 30), ("exchange", 4000)):
+            c.gloo_exchange_bytes = threshold
+            a = torch.arange(world * n, dtype=torch.float32) * (rank + 1)  # integers: any sum order is exact
+            b = torch.arange(world * n, dtype=torch.float32) - rank
+            b_out = torch.empty(n)
+            h1 = c.reduce_scatter(a[rank * n : (rank + 1) * n], a, async_op=True)  # in place, two in flight
+            h2 = c.reduce_scatter(b_out, b, async_op=True)
+            h2.wait()
+            h1.wait()
+            out[name] = (a[rank * n : (rank + 1) * n].clone(), b_out.clone())
+            out[name + "_sends"] = list(sends)
+            sends.clear()
+        out["summary"] = c.log.summary()["reduce_scatter"]
+        return out
+    finally:
+        dist.isend = real
+
+
+def test_reduce_scatter_by_exchanges_on_gloo_equals_gloos_own():
+    """On gloo, a large reduce-scatter runs as one send and one receive per peer (half the bytes of gloo's
+    own, which runs an all-reduce): the same sums, in place or not, with two in flight at once, at world 4;
+    the log counts it as the same reduce-scatter."""
+    results = run_distributed(_exchange_cases, 4)
+    n, world = 1000, 4
+    idx = torch.arange(world * n, dtype=torch.float32)
+    for rank, r in enumerate(results):
+        chunk = idx[rank * n : (rank + 1) * n]
+        want_a, want_b = chunk * sum(k + 1 for k in range(world)), chunk * world - sum(range(world))
+        for name in ("gloo", "exchange"):
+            assert torch.equal(r[name][0], want_a) and torch.equal(r[name][1], want_b), (rank, name)
+        assert r["gloo_sends"] == [] and r["exchange_sends"] == [n] * (2 * (world - 1))
+        assert r["summary"]["count"] == 4 and r["summary"]["msg_bytes"] == 4 * world * n * 4

@@ -66,6 +66,53 @@ def _broadcast_gather(output: torch.Tensor, input: torch.Tensor, group, async_op
     return None
 
 
+class _Exchange:
+    """A reduce-scatter issued as point-to-point exchanges (:func:`_exchange_reduce_scatter`): ``wait()``
+    waits for the sends and receives, then adds the received chunks into ``output`` (once)."""
+
+    __slots__ = ("works", "output", "received")
+
+    def __init__(self, works: List[Any], output: torch.Tensor, received: List[torch.Tensor]):
+        self.works, self.output, self.received = works, output, received
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait()
+        for t in self.received:
+            self.output.add_(t)
+        self.received = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool
+                             ) -> Optional[_Exchange]:
+    """Reduce-scatter as one send and one receive per peer (``dist.isend``/``dist.irecv``): this rank sends
+    chunk ``j`` of ``input`` to rank ``j`` and adds what every peer sends it into ``output`` (which may be its
+    own chunk of ``input``). Each rank sends (N-1)/N of the input, a reduce-scatter's bytes, where gloo's
+    reduce-scatter (tensor and list forms) runs an all-reduce, twice those bytes; the received chunks are
+    the same temporary gloo's takes. Sums are in ring order from the previous rank; at N = 2 bitwise gloo's."""
+    rows = input.view(-1, output.numel()).unbind(0)
+    me, n = dist.get_rank(group), len(rows)
+    if output.data_ptr() != rows[me].data_ptr():
+        output.copy_(rows[me])
+    works: List[Any] = []
+    received: List[torch.Tensor] = []
+    for k in range(1, n):  # to rank me+k, from rank me-k: the pairs of step k match on every rank
+        to, frm = (me + k) % n, (me - k) % n
+        buf = torch.empty_like(output)
+        works.append(dist.isend(rows[to], dst=_global_rank(group, to), group=group))
+        works.append(dist.irecv(buf, src=_global_rank(group, frm), group=group))
+        received.append(buf)
+    handle = _Exchange(works, output, received)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def _reduce_scatter_tensor(output, input, group, async_op, chunks=False):
     # ``chunks`` (gloo): the list form over views of the input's per-rank chunks reduces without a copy;
     # gloo's tensor form copies its whole input into a temporary first (a full-size bucket more per
@@ -261,6 +308,9 @@ class Collectives:
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
         #: gloo: gathers whose per-rank piece is at least this large run as broadcasts (:func:`_broadcast_gather`)
         self.gloo_broadcast_bytes = 64 * 2**10
+        #: gloo: reduce-scatters whose per-rank chunk is at least this large run as point-to-point exchanges
+        #: (:func:`_exchange_reduce_scatter`: half the bytes of gloo's own, 2-2.5x faster on loopback)
+        self.gloo_exchange_bytes = 64 * 2**10
         #: "over the data group (global ranks [0, 2])": what the error messages name the group by
         self.where = f"over {describe_group(self.group, topology if _names_group else None)}" if self.world > 1 else ""
 
@@ -292,18 +342,20 @@ class Collectives:
         )
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
-        """Sum ``input`` over ranks; this rank receives chunk ``dp_rank`` into ``output``."""
+        """Sum ``input`` over ranks; this rank receives chunk ``dp_rank`` into ``output`` (which may be that
+        chunk of ``input``). On gloo a chunk of :attr:`gloo_exchange_bytes` or more is reduced by
+        point-to-point exchanges (:func:`_exchange_reduce_scatter`)."""
         if self.world == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._run("reduce_scatter", None, input, output, async_op)
-        return self._run(
-            "reduce_scatter",
-            lambda a: _reduce_scatter_tensor(output, input, group=self.group, async_op=a, chunks=self._is_gloo),
-            input,
-            output,
-            async_op,
-        )
+        if self._is_gloo and output.numel() * output.element_size() >= self.gloo_exchange_bytes:
+            def fn(a: bool) -> Any:
+                return _exchange_reduce_scatter(output, input, self.group, a)
+        else:
+            def fn(a: bool) -> Any:
+                return _reduce_scatter_tensor(output, input, group=self.group, async_op=a, chunks=self._is_gloo)
+        return self._run("reduce_scatter", fn, input, output, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
         """Concatenate every rank's ``input`` into ``output`` (in rank order).
