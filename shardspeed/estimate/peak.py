@@ -242,8 +242,8 @@ def _loss(plan: Plan, z: _Sizes, held: Terms) -> Terms:
         out["grads"] = z.psi / z.n_dp * z.g_b
     if sh.partition_parameters:
         out["gathered"] = sum(n for n in z.units if n < sh.persistence_threshold) * z.t_b
-        if plan.sharding.zeropp.hpz > 1:
-            out["hpz_secondary"] = z.psi / plan.sharding.zeropp.hpz * z.t_b
+        if sh.zeropp.hpz > 1:
+            out["hpz_secondary"] = z.psi / sh.zeropp.hpz * z.t_b
     out["activations"] = z.act.loss_bytes
     return out
 
