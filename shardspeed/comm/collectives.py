@@ -36,7 +36,8 @@ def _global_rank(group, rank: int) -> int:
 
 
 class _Works:
-    """The works of one logical collective issued as several (a gather's broadcasts), waited on as one."""
+    """The works of one logical collective issued as several (a gather's broadcasts, a reduce-scatter's
+    sends and receives), waited on as one."""
 
     __slots__ = ("works",)
 
@@ -66,25 +67,22 @@ def _broadcast_gather(output: torch.Tensor, input: torch.Tensor, group, async_op
     return None
 
 
-class _Exchange:
+class _Exchange(_Works):
     """A reduce-scatter issued as point-to-point exchanges (:func:`_exchange_reduce_scatter`): ``wait()``
     waits for the sends and receives, then adds the received chunks into ``output`` (once)."""
 
-    __slots__ = ("works", "output", "received")
+    __slots__ = ("output", "received")
 
     def __init__(self, works: List[Any], output: torch.Tensor, received: List[torch.Tensor]):
-        self.works, self.output, self.received = works, output, received
+        super().__init__(works)
+        self.output, self.received = output, received
 
     def wait(self, timeout: Any = None) -> bool:
-        for w in self.works:
-            w.wait()
+        super().wait()
         for t in self.received:
             self.output.add_(t)
         self.received = []
         return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
 
 
 def _exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool
@@ -93,7 +91,8 @@ def _exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, a
     chunk ``j`` of ``input`` to rank ``j`` and adds what every peer sends it into ``output`` (which may be its
     own chunk of ``input``). Each rank sends (N-1)/N of the input, a reduce-scatter's bytes, where gloo's
     reduce-scatter (tensor and list forms) runs an all-reduce, twice those bytes; the received chunks are
-    the same temporary gloo's takes. Sums are in ring order from the previous rank; at N = 2 bitwise gloo's."""
+    the same temporary gloo's takes. Each chunk is summed as its own rank's part, then the parts of ranks
+    me-1, me-2, ...; at N = 2 bitwise gloo's."""
     rows = input.view(-1, output.numel()).unbind(0)
     me, n = dist.get_rank(group), len(rows)
     if output.data_ptr() != rows[me].data_ptr():
