@@ -298,6 +298,12 @@ class Collectives:
     """The collectives of one topology's data-parallel group, each logged. A failed one raises a
     `DistributedError` naming the operation and the group: its mesh dimension and global ranks."""
 
+    #: gloo: gathers whose per-rank piece is at least this large run as broadcasts (:func:`_broadcast_gather`)
+    gloo_broadcast_bytes: int = 64 * 2**10
+    #: gloo: reduce-scatters whose per-rank chunk is at least this large run as point-to-point exchanges
+    #: (:func:`_exchange_reduce_scatter`: half the bytes of gloo's own; 1.2-1.6x faster on loopback)
+    gloo_exchange_bytes: int = 64 * 2**10
+
     def __init__(self, topology: Topology, logger_: Optional[CommsLogger] = None,
                  _names_group: bool = True):
         self.topology = topology
@@ -305,11 +311,6 @@ class Collectives:
         self.world = topology.dp_size
         self.log = logger_ if logger_ is not None else CommsLogger()
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
-        #: gloo: gathers whose per-rank piece is at least this large run as broadcasts (:func:`_broadcast_gather`)
-        self.gloo_broadcast_bytes = 64 * 2**10
-        #: gloo: reduce-scatters whose per-rank chunk is at least this large run as point-to-point exchanges
-        #: (:func:`_exchange_reduce_scatter`: half the bytes of gloo's own; 1.2-1.6x faster on loopback)
-        self.gloo_exchange_bytes = 64 * 2**10
         #: "over the data group (global ranks [0, 2])": what the error messages name the group by
         self.where = f"over {describe_group(self.group, topology if _names_group else None)}" if self.world > 1 else ""
 
