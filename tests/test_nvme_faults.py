@@ -91,7 +91,7 @@ def test_corrupted_optimizer_tile_is_refused_at_the_next_read(tmp_path, kind, na
     tiles = st.tiles
     bad = tiles[3]  # unit 1's second tile
     path = os.path.join(st.dir, f"{name}.f32")
-    at = bad.offset * 4 + SUM_BLOCK + 100  # in the tile's second block
+    at = st.file_offset(bad) + SUM_BLOCK + 100  # in the tile's second block
     _corrupt(path, at, kind)
     stepped = []
     with pytest.raises(ShardspeedError, match=_expect(kind, path)) as e:
@@ -104,7 +104,7 @@ def test_corrupted_optimizer_tile_is_refused_at_the_next_read(tmp_path, kind, na
     if kind != "truncate":
         msg = str(e.value)
         assert f"tile {bad.index} ({name} of elements [{bad.lo}, {bad.hi}) of unit {bad.unit}" in msg, msg
-        first = bad.offset * 4 + SUM_BLOCK
+        first = st.file_offset(bad) + SUM_BLOCK
         assert f"bytes [{first}, {first + SUM_BLOCK})" in msg, msg
         assert "Restart from the last checkpoint" in msg
     # the checkpoint reads see it too: the whole tile, and a range whose block holds the bad byte
@@ -165,21 +165,31 @@ def test_block_sums_do_not_depend_on_alignment():
 
 
 def test_checksums_computed_during_io_equal_block_sums(tmp_path):
-    """Summed chunk by chunk as the bytes pass (several chunks, a partial last block, an unaligned buffer):
-    the same sums as one pass over the data."""
-    from shardspeed.offload.store import _IO_CHUNK, _rw_all
+    """Summed chunk by chunk as the bytes pass (several chunks, a partial last block, an unaligned buffer),
+    through O_DIRECT, the bounce buffer or the page cache: the same sums as one pass over the data."""
+    from shardspeed.offload.store import _IO_CHUNK, SwapFile
+    from shardspeed.utils.direct_io import aligned_empty
 
-    x = torch.randn((2 * _IO_CHUNK + 3 * SUM_BLOCK + 100) // 4)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        for data in (x, x.view(torch.uint8)[4:]):  # aligned; at a 4-byte offset
-            written = _rw_all(os.pwritev, fd, data, 0, "write", checksum=True)
-            back = torch.empty_like(data)
-            read = _rw_all(os.preadv, fd, back, 0, "read", checksum=True)
-            assert torch.equal(back, data)
-            assert torch.equal(written, block_sums(data)) and torch.equal(read, written)
-    finally:
-        os.close(fd)
+    n = 2 * _IO_CHUNK + 3 * SUM_BLOCK
+    aligned = aligned_empty(n + SUM_BLOCK)
+    aligned.copy_(torch.randint(0, 256, (n + SUM_BLOCK,), dtype=torch.uint8))
+    cases = [(aligned[:n], True), (aligned[: n - 100], True), (aligned[4 : n - 96], True),  # direct; padded tail
+             (aligned[4 : n - 96], False)]  # unaligned, no padding allowed: the page cache
+    for direct in (True, False):
+        f = SwapFile(str(tmp_path / f"f{direct}"))
+        if not direct:
+            os.close(f.direct_fd)
+            f.direct_fd = None
+        assert (f.direct_fd is not None) == direct, "tmp_path's file system should take O_DIRECT"
+        try:
+            for data, pad in cases:
+                written = f.write(data, 0, checksum=True, pad=pad)
+                back = torch.zeros_like(aligned) if pad else torch.zeros_like(data)
+                read = f.read(back[: data.numel()], 0, checksum=True)
+                assert torch.equal(back[: data.numel()], data)
+                assert torch.equal(written, block_sums(data)) and torch.equal(read, written)
+        finally:
+            f.close()
 
 
 # ---- the stage-3 parameter file ------------------------------------------------------------------------

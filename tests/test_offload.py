@@ -90,7 +90,7 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
         out["file_moments_nonzero"] = bool(st.exp_avg_sq.abs().sum() > 0)
         out["pool_bytes"] = master.host_store.buffer_bytes
         out["pool_bound"] = cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] * 3 * 4 * \
-            cfg["zero_optimization"]["sub_group_size"]
+            -(-cfg["zero_optimization"]["sub_group_size"] // 1024) * 1024  # rows of whole 4 KiB blocks (O_DIRECT)
     master.close()
     return out
 

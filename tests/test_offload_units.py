@@ -43,8 +43,7 @@ def _tiles(n_tiles: int, size: int):
 def test_nvme_store_streams_many_tiles_through_a_small_pool(tmp_path):
     tiles = _tiles(20, 1000)
     store = NvmeStateStore(str(tmp_path), tiles, buffer_count=3, pin_memory=True, rank=0)
-    assert store.buffer_bytes == 3 * 3 * 1000 * 4  # buffer_count × (master, m, v) × tile × fp32
-    assert store.buffer_bytes <= 3 * 3 * 1000 * 4
+    assert store.buffer_bytes == 3 * 3 * 1024 * 4  # buffer_count × (master, m, v) × tile × fp32, whole 4 KiB rows
     for t in tiles:
         store.initialize(t, torch.full((t.numel,), float(t.index)))
     for step in range(3):  # each step: read, modify, write back; the next step sees the writes
@@ -60,7 +59,7 @@ def test_nvme_store_streams_many_tiles_through_a_small_pool(tmp_path):
     assert torch.all(store.read_tile(tiles[7]).master == 10)
     d = store.dir
     assert sorted(os.listdir(d)) == ["exp_avg.f32", "exp_avg_sq.f32", "master.f32"]
-    assert os.path.getsize(os.path.join(d, "master.f32")) == 20 * 1000 * 4
+    assert os.path.getsize(os.path.join(d, "master.f32")) == 20 * 1024 * 4  # each tile's region: whole 4 KiB blocks
     store.close()
     assert not os.path.exists(d)
 

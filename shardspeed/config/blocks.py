@@ -197,8 +197,9 @@ class CommsLoggerConfig(ConfigModel):
 
 class AioConfig(ConfigModel):
     """`aio`: DeepSpeed's libaio tuning for NVMe offload. shardspeed's NVMe path streams whole tiles with
-    `os.preadv`/`os.pwritev` through the page cache, on one reader and one writer thread (docs/offload.md),
-    so these request-level knobs are accepted and have no counterpart (performance only)."""
+    `os.preadv`/`os.pwritev` and `O_DIRECT` (the page cache where the file system refuses it), on one reader
+    and one writer thread and one I/O thread per file (docs/offload.md), so these request-level knobs are
+    accepted and have no counterpart (performance only)."""
 
     ALIASES = {"thread_count": "intra_op_parallelism"}
 

@@ -29,6 +29,7 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -277,7 +278,7 @@ def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
 def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms]) -> None:
     """Adds ``offload_buffers_host`` to ``held`` and every phase: with optimizer states on the host, the
     copier's two fp32 gradient slots (resident once the first step used them); in files, the streaming pool
-    (``buffer_count`` × 3 tiles) and the copier's slots from the start, and in the step two more fp32 tiles
+    (``buffer_count`` × 3 tiles, rounded up to 4 KiB each) and the copier's slots from the start, and in the step two more fp32 tiles
     in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)."""
     where = plan.placement
     if where.optimizer == "host":
@@ -286,7 +287,8 @@ def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms
             terms["offload_buffers_host"] = slots
     elif where.optimizer == "file":
         tile = min(float(where.tile_elems), z.shard)
-        pool = max(1, where.buffer_count) * 3 * tile * 4 + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
+        row = math.ceil(tile / 1024) * 1024  # the pool's rows are whole 4 KiB blocks (O_DIRECT)
+        pool = max(1, where.buffer_count) * 3 * row * 4 + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
         for name, terms in (("held", held), *phases.items()):
             terms["offload_buffers_host"] = pool + (2 * tile * 4 if name == "step" else 0.0)
 

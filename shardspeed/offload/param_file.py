@@ -8,7 +8,8 @@ one region per unit at a 4 KiB-aligned offset, preallocated as each unit is buil
 sums (:func:`~shardspeed.offload.swap_io.block_sums`) of what was written there, kept in memory. A unit's
 shard is read into a temporary host tensor when it is needed (gather, checkpoints, masters) and written
 back after the optimizer step, so host memory for parameters is bounded by the units gathered at once,
-not by the model. I/O is ``os.preadv``/``os.pwritev`` through the page cache. The directory is removed on
+not by the model. I/O is ``os.preadv``/``os.pwritev`` with ``O_DIRECT`` where the file system allows it
+(:class:`~shardspeed.offload.swap_io.SwapFile`), through the page cache otherwise. The directory is removed on
 :meth:`close`, when the object is collected, or at interpreter exit.
 """
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import ConfigError
+from ..utils.direct_io import aligned_empty
 from ..zero.placement import ShardPlacement
 from . import store
 from .swap_dirs import check_nvme_path, make_swap_dir, remove_swap_dir
-from .swap_io import SUM_BLOCK, _rw_all, check_sums, n_blocks
+from .swap_io import SUM_BLOCK, SwapFile, check_sums, n_blocks
 
 logger = logging.getLogger("shardspeed")
 
@@ -46,7 +48,7 @@ class NvmeParamFile:
         self.root, self.dir = make_swap_dir(nvme_path, "param", rank, 0, "the parameter shards")
         self.path = os.path.join(self.dir, "params.bin")
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self.file = SwapFile(self.path)
         except OSError as e:
             remove_swap_dir(self.dir)
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot create the parameter file "
@@ -54,8 +56,9 @@ class NvmeParamFile:
         # one background reader for read-ahead (FilePlacement.read_ahead): the read and its checksum run off the
         # training thread; made at first use
         self._reader: List[ThreadPoolExecutor] = []
-        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.fd, self.dir, self._reader)
-        logger.info("NVMe parameter shards: %s", self.path)
+        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.file, self.dir, self._reader)
+        logger.info("NVMe parameter shards: %s (%s)", self.path,
+                    "O_DIRECT" if self.file.direct_fd is not None else "through the page cache")
 
     def reserve(self, numel: int, dtype: torch.dtype) -> int:
         """Append a region for ``numel`` elements of ``dtype`` (4 KiB-aligned, preallocated); returns its
@@ -67,7 +70,7 @@ class NvmeParamFile:
         offset = self.nbytes
         try:
             if nbytes:
-                os.posix_fallocate(self.fd, offset, nbytes)  # a full disk fails now, not mid-training
+                self.file.preallocate(offset, nbytes)  # a full disk fails now, not mid-training
         except OSError as e:
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot preallocate the parameter file "
                               f"({e.strerror}); need {(offset + nbytes) / 2**30:.2f} GiB") from e
@@ -78,13 +81,16 @@ class NvmeParamFile:
         return offset
 
     def read(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A fresh host copy of the region at ``offset`` (writing into it does not change the file)."""
-        out = torch.empty(numel, dtype=dtype)
-        if out.numel():
-            expected = self._sums.get(offset)
-            found = _rw_all(os.preadv, self.fd, out, offset, "read", self.path, checksum=expected is not None)
-            check_sums(expected, found, self.path, self._what(offset), offset)
-        return out
+        """A fresh host copy of the region at ``offset`` (writing into it does not change the file). The whole
+        region is read, padding included (4 KiB-aligned: ``O_DIRECT``), into an aligned buffer."""
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if not size:
+            return torch.empty(0, dtype=dtype)
+        raw = aligned_empty(-(-size // _ALIGN) * _ALIGN)
+        expected = self._sums.get(offset)
+        found = self.file.read(raw, offset, checksum=expected is not None)
+        check_sums(expected, found, self.path, self._what(offset), offset)
+        return raw[:size].view(dtype)
 
     def read_async(self, offset: int, numel: int, dtype: torch.dtype) -> Future:
         """:meth:`read` in the background reader; its error (a corrupt region) is raised by ``result()``."""
@@ -106,10 +112,10 @@ class NvmeParamFile:
         sums = self._sums.get(offset)
         a = lo * src.element_size()
         if sums is None:
-            _rw_all(os.pwritev, self.fd, src, offset + a, "write", self.path)
+            self.file.write(src, offset + a, pad=a + src.numel() * src.element_size() == self._size[offset])
             return
         start, data = self._whole_blocks(offset, src, a, sums)
-        new = _rw_all(os.pwritev, self.fd, data, offset + start, "write", self.path, checksum=True)
+        new = self.file.write(data, offset + start, checksum=True, pad=True)  # ends at a block or the data's end
         assert new is not None
         k0 = start // SUM_BLOCK
         sums[k0 : k0 + new.numel()] = new
@@ -127,20 +133,16 @@ class NvmeParamFile:
         partial: List[int] = sorted({k for k, cut in ((k0, a > start), (k1 - 1, b < end)) if cut})
         for k in partial:
             lo, hi = k * SUM_BLOCK, min((k + 1) * SUM_BLOCK, size)
-            found = _rw_all(os.preadv, self.fd, stage[lo - start : hi - start], offset + lo, "read", self.path,
-                            checksum=True)
+            found = self.file.read(stage[lo - start : hi - start], offset + lo, checksum=True)
             check_sums(sums[k : k + 1], found, self.path, self._what(offset), offset + lo)
         stage[a - start : b - start] = src.view(torch.uint8)
         return start, stage
 
     @staticmethod
-    def _cleanup(fd: int, directory: str, reader: List[ThreadPoolExecutor]) -> None:
+    def _cleanup(file: SwapFile, directory: str, reader: List[ThreadPoolExecutor]) -> None:
         for pool in reader:
             pool.shutdown(wait=True)  # a read in flight finishes before its file goes
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        file.close()
         remove_swap_dir(directory)
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from ..errors import ConfigError, ShardspeedError
+from ..utils.direct_io import ALIGN, aligned_empty
 from .swap_dirs import (
     check_nvme_path as check_nvme_path,
     make_swap_dir as make_swap_dir,
@@ -47,7 +48,7 @@ from .swap_dirs import (
 from .swap_io import (  # the I/O and checksum names are importable from here too
     _IO_CHUNK as _IO_CHUNK,
     SUM_BLOCK as SUM_BLOCK,
-    _rw_all as _rw_all,
+    SwapFile as SwapFile,
     _sum_blocks as _sum_blocks,
     block_sums as block_sums,
     check_sums as check_sums,
@@ -79,6 +80,18 @@ class TileState(NamedTuple):
 
 def _pinned_ok(pin: bool) -> bool:
     return pin and torch.cuda.is_available()
+
+
+def _padded(numel: int) -> int:
+    """``numel`` fp32 elements rounded up to whole 4 KiB blocks (a tile's region in the state files)."""
+    return -(-numel // (ALIGN // _FP32)) * (ALIGN // _FP32)
+
+
+def _state_buffer(tile_elems: int, pin: bool) -> torch.Tensor:
+    """A (3, row) fp32 host buffer for one tile's three states: rows of whole 4 KiB blocks at 4 KiB-aligned
+    addresses (``O_DIRECT`` transfers; the checksums' int64 view)."""
+    row = max(_padded(tile_elems), ALIGN // _FP32)
+    return aligned_empty(3 * row * _FP32, pin).view(torch.float32).view(3, row)
 
 
 class MemoryStateStore:
@@ -152,19 +165,24 @@ class NvmeStateStore:
                               "lets reading the next tile overlap the step of the current one)")
         self.tiles = list(tiles)
         self.verify = verify_swap_default() if verify is None else bool(verify)
-        total = sum(t.numel for t in self.tiles)
+        # each tile's region of a state file starts 4 KiB-aligned (its tail padded with zeros), so that whole
+        # tiles move with O_DIRECT between the aligned buffers and the disk
+        self._at: Dict[int, int] = {}
+        total = 0
+        for t in self.tiles:
+            self._at[t.index] = total * _FP32
+            total += _padded(t.numel)
         root, self.dir = make_swap_dir(nvme_path, "optim", rank, 3 * total * _FP32, "the optimizer state")
         # tile index -> block sums of (master, exp_avg, exp_avg_sq) as last written (the files start as zeros)
         self._sums: Dict[int, List[torch.Tensor]] = {
             t.index: [torch.zeros(n_blocks(t.numel * _FP32), dtype=torch.int64) for _ in STATE_NAMES]
             for t in self.tiles} if self.verify else {}
-        self.fds: Dict[str, int] = {}
+        self.files: Dict[str, SwapFile] = {}
         try:
             for name in STATE_NAMES:
-                fd = os.open(os.path.join(self.dir, f"{name}.f32"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                self.fds[name] = fd
+                f = self.files[name] = SwapFile(os.path.join(self.dir, f"{name}.f32"))
                 if total:
-                    os.posix_fallocate(fd, 0, total * _FP32)  # fails now (ENOSPC), not mid-training
+                    f.preallocate(0, total * _FP32)  # fails now (ENOSPC), not mid-training
         except OSError as e:
             self._close_files()
             remove_swap_dir(self.dir)
@@ -173,17 +191,19 @@ class NvmeStateStore:
         self.tile_elems = max((t.numel for t in self.tiles), default=0)
         self.buffer_count = buffer_count
         pin = _pinned_ok(pin_memory)
-        row = self.tile_elems + self.tile_elems % 2  # even: rows 8-byte aligned (block_sums copies otherwise)
-        self._buffers = [torch.empty(3, row, dtype=torch.float32, pin_memory=pin) for _ in range(buffer_count)]
+        self._buffers = [_state_buffer(self.tile_elems, pin) for _ in range(buffer_count)]
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in self._buffers:
             self._free.put(b)
         self._owner: Dict[int, torch.Tensor] = {}  # tile index -> buffer it occupies
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardspeed-nvme-write")
         self._writes: List[Future] = []
-        self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.fds), self.dir, self._writer)
-        logger.info("NVMe optimizer state: %s (%.2f GiB), %d buffers × %d elements", self.dir,
-                    3 * total * _FP32 / 2**30, buffer_count, self.tile_elems)
+        self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.files), self.dir, self._writer)
+        self._file_bytes = 3 * total * _FP32
+        direct = all(f.direct_fd is not None for f in self.files.values())
+        logger.info("NVMe optimizer state: %s (%.2f GiB%s), %d buffers × %d elements", self.dir,
+                    3 * total * _FP32 / 2**30, ", O_DIRECT" if direct else ", through the page cache", buffer_count,
+                    self.tile_elems)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     @property
@@ -193,38 +213,45 @@ class NvmeStateStore:
 
     def held_bytes(self) -> Dict[str, int]:
         return {"master": 0, "optimizer": 0, "host_buffers": self.buffer_bytes,
-                "nvme_files": 3 * sum(t.numel for t in self.tiles) * _FP32}
+                "nvme_files": self._file_bytes}
 
     # ---- raw I/O -------------------------------------------------------------------------------------
     def _path(self, name: str) -> str:
-        return os.path.join(self.dir, f"{name}.f32")
+        return self.files[name].path
+
+    def file_offset(self, tile: Tile) -> int:
+        """The byte at which ``tile``'s region starts in each state file (4 KiB-aligned)."""
+        return self._at[tile.index]
 
     def _read_state(self, tile: Tile, i: int, out: torch.Tensor, first_block: int = 0) -> None:
         """Read ``out`` from state ``i`` of ``tile``, from its block ``first_block`` on, and check it is what
         was written there."""
-        name, at = STATE_NAMES[i], tile.offset * _FP32 + first_block * SUM_BLOCK
-        found = _rw_all(os.preadv, self.fds[name], out, at, "read", self._path(name), checksum=self.verify)
+        name, at = STATE_NAMES[i], self._at[tile.index] + first_block * SUM_BLOCK
+        found = self.files[name].read(out, at, checksum=self.verify)
         if found is not None:
             expected = self._sums[tile.index][i][first_block : first_block + found.numel()]
             what = (f"tile {tile.index} ({name} of elements [{tile.lo}, {tile.hi}) of unit {tile.unit}'s chunk)")
             check_sums(expected, found, self._path(name), what, at)
 
     def _write_state(self, tile: Tile, i: int, data: torch.Tensor) -> None:
-        """Write state ``i`` of ``tile`` (all of it) and record its block sums."""
-        name = STATE_NAMES[i]
-        sums = _rw_all(os.pwritev, self.fds[name], data, tile.offset * _FP32, "write", self._path(name),
-                       checksum=self.verify)
+        """Write state ``i`` of ``tile`` (all of it, or with its region's zero padding) and record its block
+        sums (those of the data: the padding is zeros, as :func:`block_sums` pads a partial block)."""
+        sums = self.files[STATE_NAMES[i]].write(data, self._at[tile.index], checksum=self.verify, pad=True)
         if sums is not None:
             self._sums[tile.index][i] = sums
 
     def _read(self, tile: Tile, buf: torch.Tensor) -> None:
+        """All three states of ``tile`` into ``buf``'s rows, with the regions' padding (whole aligned blocks:
+        one ``O_DIRECT`` transfer per chunk)."""
         for i in range(len(STATE_NAMES)):
-            self._read_state(tile, i, buf[i, : tile.numel])
+            self._read_state(tile, i, buf[i, : _padded(tile.numel)])
 
     def _write(self, tile: Tile, buf: torch.Tensor, names: Sequence[str] = STATE_NAMES) -> None:
+        n, end = tile.numel, _padded(tile.numel)
         for i, name in enumerate(STATE_NAMES):
             if name in names:
-                self._write_state(tile, i, buf[i, : tile.numel])
+                buf[i, n:end].zero_()
+                self._write_state(tile, i, buf[i, :end])
 
     def initialize(self, tile: Tile, master: torch.Tensor) -> None:
         """Write a tile's initial master weights and zero moments (synchronously; at start only)."""
@@ -249,7 +276,7 @@ class NvmeStateStore:
     def read_tile(self, tile: Tile) -> TileState:
         """A copy of one tile's state (for checks and checkpoints; not on the training path)."""
         self.flush()
-        out = torch.empty(3, tile.numel + tile.numel % 2, dtype=torch.float32)  # rows 8-byte aligned
+        out = _state_buffer(tile.numel, False)
         self._read(tile, out)
         n = tile.numel
         return TileState(out[0, :n], out[1, :n], out[2, :n])
@@ -261,8 +288,7 @@ class NvmeStateStore:
         self.flush()
         if not self.verify:
             out = torch.empty(hi - lo, dtype=torch.float32)
-            at = (tile.offset + lo - tile.lo) * _FP32
-            _rw_all(os.preadv, self.fds[name], out, at, "read", self._path(name))
+            self.files[name].read(out, self._at[tile.index] + (lo - tile.lo) * _FP32)
             return out
         a, b = (lo - tile.lo) * _FP32, (hi - tile.lo) * _FP32  # bytes inside the tile
         k0 = a // SUM_BLOCK
@@ -372,21 +398,15 @@ class NvmeStateStore:
 
     # ---- teardown ------------------------------------------------------------------------------------
     def _close_files(self) -> None:
-        for fd in self.fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds = {}
+        for f in self.files.values():
+            f.close()
+        self.files = {}
 
     @staticmethod
-    def _cleanup(fds: Dict[str, int], directory: str, writer: ThreadPoolExecutor) -> None:
+    def _cleanup(files: Dict[str, SwapFile], directory: str, writer: ThreadPoolExecutor) -> None:
         writer.shutdown(wait=True)
-        for fd in fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for f in files.values():
+            f.close()
         remove_swap_dir(directory)
 
     def close(self) -> None:
