@@ -13,15 +13,19 @@ one of two layouts:
 
 ``verify`` on/off is the environment variable ``SHARDSPEED_VERIFY_SWAP`` (an internal switch, not a config key), set
 in the child before ``initialize``; the runs alternate on/off for ``--rounds`` rounds, and the table gives
-the medians. The runs use one intra-op thread (``--threads``): on a 2-core machine torch's OpenMP workers
-spin after each kernel and starve the store's I/O threads, which made the runs without checksums up to 4x
-slower than those with them, and the comparison meaningless. With 4 rows the step is mostly the offloaded
-optimizer (its files fit in the page cache, so "disk" I/O runs at memory speed): the checksums' worst case.
-As the difference of two noisy medians is only a few percent, the "on" runs also time every checksum
-reduction (``swap_io._sum_blocks``, in whatever thread it runs: the reader and writer threads of the
-optimizer store, the training thread for the parameter file): ``checksum CPU s/step`` is its CPU time
-(``time.thread_time``), the cost on a machine without idle cores; with idle cores the optimizer store's
-part overlaps the step. A second table times candidate checksums over 64 MiB on one thread. JSON:
+the medians of all steps, and the median and quartiles of the on/off ratios round by round (the runs of one
+round are adjacent in time, so the disk's drift hits both alike). The runs use one intra-op thread
+(``--threads``): on a 2-core machine torch's OpenMP workers spin after each kernel and starve the store's I/O
+threads, which made the runs without checksums up to 4x slower than those with them, and the comparison
+meaningless. With 4 rows the step is mostly the offloaded optimizer's I/O. The swap files are read and
+written with ``O_DIRECT`` where the file system allows it (:class:`shardspeed.offload.swap_io.SwapFile`), so
+the I/O runs at the disk's speed; on a file system without it (tmpfs) the files sit in the page cache, I/O runs
+at memory speed and the checksums cost their full CPU time (the numbers of record before O_DIRECT,
+``nvme_checksum_s31``). As the difference of two noisy medians is only a few percent, the "on" runs also
+time every checksum reduction (``swap_io._sum_blocks``, in whatever thread it runs: the store's reader and
+writer threads, the parameter file's read-ahead thread, the training thread): ``checksum CPU s/step`` is its
+CPU time (``time.thread_time``), the cost on a machine without idle cores; with idle cores the sums overlap
+the transfers (each file's I/O thread moves one chunk while the caller sums another). A second table times candidate checksums over 64 MiB on one thread. JSON:
 benchmarks/results/<tag>.json (default ``nvme_checksum``).
 """
 from __future__ import annotations
@@ -67,7 +71,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ[store.VERIFY_SWAP_ENV] = "1" if verify else "0"
-    spent = {"s": 0.0, "cpu_s": 0.0, "bytes": 0, "calls": 0}
+    spent = {"s": 0.0, "cpu_s": 0.0, "main_s": 0.0, "bytes": 0, "calls": 0}
     lock = threading.Lock()
     inner = swap_io._sum_blocks
 
@@ -79,6 +83,8 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
             spent["cpu_s"] += time.thread_time() - c0  # one intra-op thread: all of its CPU time is here
             spent["bytes"] += words.numel() * words.element_size()
             spent["calls"] += 1
+            if threading.current_thread() is threading.main_thread():  # on the step's critical path
+                spent["main_s"] += time.perf_counter() - t0
 
     swap_io._sum_blocks = timed  # looked up at each call (the optimizer store and the parameter file)
     width = 2048
@@ -91,7 +97,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     times = []
     for i in range(steps + 1):
         if i == 1:
-            spent.update(s=0.0, cpu_s=0.0, bytes=0, calls=0)  # the warm-up step is not counted
+            spent.update(s=0.0, cpu_s=0.0, main_s=0.0, bytes=0, calls=0)  # the warm-up step is not counted
         t0 = time.perf_counter()
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
@@ -100,7 +106,7 @@ def child(layout: str, verify: bool, size: float, steps: int, nvme: str, sub_gro
     engine.master_weights.close()
     return {"layout": layout, "verify": verify, "psi": psi, "batch": batch, "step_s": times[1:],
             "checksum_s_per_step": spent["s"] / steps, "checksum_cpu_s_per_step": spent["cpu_s"] / steps,
-            "checksum_bytes_per_step": spent["bytes"] / steps,
+            "checksum_bytes_per_step": spent["bytes"] / steps, "checksum_main_s_per_step": spent["main_s"] / steps,
             "checksum_calls_per_step": spent["calls"] / steps}
 
 
@@ -132,11 +138,17 @@ def checksum_speeds(mib: int = 64, reps: int = 5) -> dict:
 
 
 def table(rows: dict) -> str:
-    lines = ["| layout @ batch | Ψ | step s, verify off | step s, verify on | on / off | checksum CPU s/step | checksum "
-             "CPU / step off | checksum wall s/step | checksummed GB/step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| layout @ batch | Ψ | step s, verify off | step s, verify on | on / off | on / off by round: median "
+             "[quartiles] | checksum CPU s/step | checksum CPU / step off | checksum wall s/step | of it on the training "
+             "thread, / step off | checksummed GB/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for layout, r in rows.items():
+        p = r["paired"]
+        q = statistics.quantiles(p, n=4) if len(p) > 1 else [p[0], p[0], p[0]]
         lines.append(f"| {layout} | {r['psi'] / 1e6:.0f}M | {r['off_s']:.3f} | {r['on_s']:.3f} | {r['ratio']:.3f} | "
+                     f"{statistics.median(p):.3f} [{q[0]:.3f}, {q[2]:.3f}] | "
                      f"{r['checksum_cpu_s']:.4f} | {100 * r['checksum_frac']:.1f}% | {r['checksum_s']:.4f} | "
+                     f"{r['checksum_main_s']:.4f}, {100 * r['checksum_main_s'] / r['off_s']:.1f}% | "
                      f"{r['checksum_gb']:.2f} |")
     return "\n".join(lines)
 
@@ -189,8 +201,12 @@ def main(argv=None) -> int:
         off = statistics.median(s for r in rr["off"] for s in r["step_s"])
         ck = statistics.median(r["checksum_s_per_step"] for r in rr["on"])
         cpu = statistics.median(r["checksum_cpu_s_per_step"] for r in rr["on"])
+        main = statistics.median(r.get("checksum_main_s_per_step", 0.0) for r in rr["on"])
+        paired = sorted(statistics.median(a["step_s"]) / statistics.median(b["step_s"])  # round by round
+                        for a, b in zip(rr["on"], rr["off"]))
         rows[layout] = {"psi": rr["on"][0]["psi"], "on_s": on, "off_s": off, "ratio": on / off, "checksum_s": ck,
-                        "checksum_cpu_s": cpu, "checksum_frac": cpu / off,
+                        "paired": paired,
+                        "checksum_cpu_s": cpu, "checksum_frac": cpu / off, "checksum_main_s": main,
                         "checksum_gb": rr["on"][0]["checksum_bytes_per_step"] / 1e9, "runs": rr}
     speeds = checksum_speeds()
     text = table(rows) + "\n\n| checksum, 64 MiB, 1 thread | GB/s |\n|---|---|\n" + "\n".join(
