@@ -69,3 +69,44 @@ def test_aligned_buffers_and_the_alignment_rule():
     assert not direct_ok(b[1 : ALIGN + 1], 0), "address off by one"
     assert not direct_ok(b[:ALIGN], 512), "file offset not aligned"
     assert not direct_ok(b[:0], 0), "nothing to move"
+
+
+def _refuse_direct(monkeypatch, module, name: str, fds: set):
+    """``module.os.<name>`` raising EINVAL on the descriptors in ``fds`` (a file system that takes O_DIRECT at
+    open and refuses the transfers)."""
+    real = getattr(os, name)
+
+    def refusing(fd, *args):
+        if fd in fds:
+            raise OSError(22, "Invalid argument")
+        return real(fd, *args)
+
+    monkeypatch.setattr(module.os, name, refusing)
+
+
+def test_refused_direct_transfers_fall_back_to_buffered(tmp_path, monkeypatch):
+    from shardspeed.offload import swap_io
+
+    pieces = _pieces(1)
+    w = StreamWriter(str(tmp_path / "f.bin"))
+    assert w.direct
+    _refuse_direct(monkeypatch, direct_io, "pwrite", {w.fd})
+    for p in pieces:
+        w.write(p)
+    w.close()
+    assert not w.direct
+    with open(tmp_path / "f.bin", "rb") as f:
+        assert f.read() == b"".join(p.tobytes() for p in pieces)
+    monkeypatch.undo()
+
+    f = swap_io.SwapFile(str(tmp_path / "swap"))
+    assert f.direct_fd is not None
+    _refuse_direct(monkeypatch, swap_io, "pwritev", {f.direct_fd})
+    _refuse_direct(monkeypatch, swap_io, "preadv", {f.direct_fd})
+    data = aligned_empty(3 * (4 << 20))
+    data.copy_(torch.randint(0, 256, (data.numel(),), dtype=torch.uint8))
+    sums = f.write(data, 0, checksum=True)
+    back = aligned_empty(data.numel())
+    assert torch.equal(f.read(back, 0, checksum=True), sums) and torch.equal(back, data)
+    assert f.direct_fd is None
+    f.close()

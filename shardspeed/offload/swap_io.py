@@ -11,6 +11,7 @@ Used by the optimizer state store (:mod:`.store`) and the parameter file (:mod:`
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +52,7 @@ class SwapFile:
         self._bounce: Optional[torch.Tensor] = None
         self._pool: Optional[ThreadPoolExecutor] = None  # the transfers of checksummed I/O (made at first use)
         self._lock = threading.Lock()  # the bounce buffer and the pool (several threads do I/O on one file)
+        self._retired: List[int] = []  # a direct descriptor whose transfers the file system refused
 
     def preallocate(self, offset: int, nbytes: int) -> None:
         """Reserve ``nbytes`` at ``offset`` now (``posix_fallocate``: a full disk fails here, not later)."""
@@ -70,7 +72,7 @@ class SwapFile:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        for fd in (self.fd, self.direct_fd):
+        for fd in (self.fd, self.direct_fd, *self._retired):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -124,18 +126,25 @@ class SwapFile:
     def _move(self, reading: bool, chunk: torch.Tensor, at: int, pad: bool) -> None:
         """Transfer one chunk (uint8) at file byte ``at`` the cheapest way its alignment allows."""
         fn = os.preadv if reading else os.pwritev
-        if self.direct_fd is not None and at % ALIGN == 0:
-            if direct_ok(chunk, at):
-                return _transfer_all(fn, self.direct_fd, chunk, at, self.path, self.fd)
-            if pad and not reading and chunk.numel() <= _IO_CHUNK:
-                n = chunk.numel()
-                with self._lock:
-                    if self._bounce is None:
-                        self._bounce = aligned_empty(_IO_CHUNK)
-                    padded = self._bounce[: -(-n // ALIGN) * ALIGN]
-                    padded[:n].copy_(chunk)
-                    padded[n:].zero_()
-                    return _transfer_all(fn, self.direct_fd, padded, at, self.path, self.fd)
+        direct = self.direct_fd
+        if direct is not None and at % ALIGN == 0:
+            try:
+                if direct_ok(chunk, at):
+                    return _transfer_all(fn, direct, chunk, at, self.path, self.fd)
+                if pad and not reading and chunk.numel() <= _IO_CHUNK:
+                    n = chunk.numel()
+                    with self._lock:
+                        if self._bounce is None:
+                            self._bounce = aligned_empty(_IO_CHUNK)
+                        padded = self._bounce[: -(-n // ALIGN) * ALIGN]
+                        padded[:n].copy_(chunk)
+                        padded[n:].zero_()
+                        return _transfer_all(fn, direct, padded, at, self.path, self.fd)
+            except OSError as e:  # took O_DIRECT at open, refuses the transfer: buffered from now on
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_fd = None
+                self._retired.append(direct)  # closed at close(): another thread may still be in a transfer on it
         _transfer_all(fn, self.fd, chunk, at, self.path)
 
 

@@ -75,6 +75,7 @@ class StreamWriter:
     def __init__(self, path: str, chunk: int = STREAM_CHUNK):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         fd = open_direct(path, flags, 0o644)
+        self.path = path
         self.direct = fd is not None
         self.fd = fd if fd is not None else os.open(path, flags, 0o644)
         self.written = 0  # bytes accepted by write()
@@ -105,9 +106,23 @@ class StreamWriter:
             self._fill += n
             at += n
             if self._fill == chunk:
-                _write_all(self.fd, self._bounce, self._file_pos)
+                self._put(self._bounce, self._file_pos)
                 self._file_pos += chunk
                 self._fill = 0
+
+    def _put(self, data: np.ndarray, offset: int) -> None:
+        """Write ``data`` at ``offset``. A file system that took ``O_DIRECT`` at open but refuses the transfer
+        (EINVAL: a block size over :data:`ALIGN`, some network file systems) gets this and every later
+        write buffered, on a plain descriptor of the same file."""
+        if self.direct:
+            try:
+                return _write_all(self.fd, data, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                refused, self.fd, self.direct = self.fd, os.open(self.path, os.O_WRONLY), False
+                os.close(refused)
+        _write_all(self.fd, data, offset)
 
     def flush(self) -> None:
         """Write the bytes still in the bounce buffer (padded to :data:`ALIGN`), and truncate the file to
@@ -116,7 +131,7 @@ class StreamWriter:
             return
         padded = -(-self._fill // ALIGN) * ALIGN
         self._bounce[self._fill: padded] = 0
-        _write_all(self.fd, self._bounce[:padded], self._file_pos)
+        self._put(self._bounce[:padded], self._file_pos)
         os.ftruncate(self.fd, self._file_pos + self._fill)
 
     def close(self, sync: bool = True) -> None:
