@@ -207,6 +207,7 @@ def _param_file(root: Path):
     places[0].write(part, 1999)
     shards[0][1999:5000] = part.to(torch.bfloat16)
     places[0].write(shards[0][:7], 0)
+    pf.flush()  # the queued writes are in the file (a test that corrupts it must not race them)
     return pf, places, shards
 
 
@@ -229,7 +230,10 @@ def test_corrupted_param_shard_is_refused_at_the_next_read(tmp_path, kind):
         assert "the parameter shard region at byte 0 (20002 bytes)" in str(e.value)
         # a partial write into the bad block reads it first: refused, not laundered into a new checksum
         with pytest.raises(ShardspeedError, match=_expect(kind, pf.path)):
-            places[0].write(torch.zeros(2), (2 * SUM_BLOCK + 100) // 2)
+            places[0].write(torch.zeros(2), (2 * SUM_BLOCK + 100) // 2)  # queued: the error comes at the flush
+            pf.flush()
+        with pytest.raises(ShardspeedError, match=_expect(kind, pf.path)):  # and at every read of the region
+            places[0].read()
         # the other region is untouched and reads fine
         assert torch.equal(places[1].read(), shards[1])
     pf.close()

@@ -71,6 +71,7 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
     pf = placements[0].file if placements and placements[0].in_file else None
     if pf is not None:  # offload_param nvme: the file holds every shard, none is kept in memory
         out["pfile_dir"], out["pfile_list"] = pf.dir, sorted(os.listdir(pf.dir))
+        pf.flush()  # the writes queued behind the training thread are in the file
         with open(pf.path, "rb") as f:
             raw = f.read()
         out["pfile_size"] = len(raw)

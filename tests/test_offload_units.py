@@ -152,7 +152,7 @@ def test_param_file_read_ahead_gives_the_bytes_as_of_the_gather(tmp_path):
     u.placement.read_ahead()
     assert torch.equal(u.shard_on_device(), want)
     u.placement.read_ahead()
-    u.write_shard(torch.ones(5), lo=2)  # waits for the read in flight, drops it
+    u.write_shard(torch.ones(5), lo=2)  # queued behind the read in flight, which is dropped
     want[2:7] = 1
     assert torch.equal(u.shard_on_device(), want) and torch.equal(u.shard, want)
     with open(pf.path, "r+b") as f:  # a byte flip on disk

@@ -7,8 +7,9 @@ one region per unit at a 4 KiB-aligned offset, preallocated as each unit is buil
 (:func:`~shardspeed.offload.swap_dirs.check_nvme_path`). Every read of a region is checked against the block
 sums (:func:`~shardspeed.offload.swap_io.block_sums`) of what was written there, kept in memory. A unit's
 shard is read into a temporary host tensor when it is needed (gather, checkpoints, masters) and written
-back after the optimizer step, so host memory for parameters is bounded by the units gathered at once,
-not by the model. I/O is ``os.preadv``/``os.pwritev`` with ``O_DIRECT`` where the file system allows it
+back after the optimizer step, so host memory for parameters is bounded by the units gathered at once
+(plus :data:`WRITES_IN_FLIGHT` copies queued for writing), not by the model. The writes and the read-aheads
+run in order on one background thread, off the training thread; a plain read first waits for the writes. I/O is ``os.preadv``/``os.pwritev`` with ``O_DIRECT`` where the file system allows it
 (:class:`~shardspeed.offload.swap_io.SwapFile`), through the page cache otherwise. The directory is removed on
 :meth:`close`, when the object is collected, or at interpreter exit.
 """
@@ -33,6 +34,9 @@ logger = logging.getLogger("shardspeed")
 
 _ALIGN = 4096
 
+#: Writes of a parameter file queued behind the training thread at most (each holds a copy of its bytes).
+WRITES_IN_FLIGHT = 2
+
 
 class NvmeParamFile:
     """This rank's stage-3 parameter shards in one file, one region per unit (:meth:`reserve`).
@@ -53,10 +57,12 @@ class NvmeParamFile:
             remove_swap_dir(self.dir)
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot create the parameter file "
                               f"({e.strerror})") from e
-        # one background reader for read-ahead (FilePlacement.read_ahead): the read and its checksum run off the
-        # training thread; made at first use
-        self._reader: List[ThreadPoolExecutor] = []
-        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.file, self.dir, self._reader)
+        # one background thread, made at first use, for the writes (queued behind the training thread) and the
+        # read-aheads (FilePlacement.read_ahead), in order: a read queued after a write sees it
+        self._pool: List[ThreadPoolExecutor] = []
+        self._writes: List[Future] = []  # queued writes, oldest first
+        self._failed: Dict[int, BaseException] = {}  # region offset -> the error of a write to it that failed
+        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.file, self.dir, self._pool)
         logger.info("NVMe parameter shards: %s (%s)", self.path,
                     "O_DIRECT" if self.file.direct_fd is not None else "through the page cache")
 
@@ -81,8 +87,51 @@ class NvmeParamFile:
         return offset
 
     def read(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A fresh host copy of the region at ``offset`` (writing into it does not change the file). The whole
-        region is read, padding included (4 KiB-aligned: ``O_DIRECT``), into an aligned buffer."""
+        """A fresh host copy of the region at ``offset`` (writing into it does not change the file), after the
+        writes queued before it. The whole region is read, padding included (4 KiB-aligned: ``O_DIRECT``),
+        into an aligned buffer."""
+        self.flush()
+        return self._read_now(offset, numel, dtype)
+
+    def read_async(self, offset: int, numel: int, dtype: torch.dtype) -> Future:
+        """:meth:`read` in the background thread (after the writes queued before it); its error (a corrupt
+        region, a failed write to it) is raised by ``result()``."""
+        return self._background().submit(self._read_now, offset, numel, dtype)
+
+    def write(self, offset: int, numel: int, dtype: torch.dtype, t: torch.Tensor, lo: int = 0) -> None:
+        """Store ``t`` (cast to ``dtype``) as elements ``[lo, lo + t.numel())`` of the region at ``offset``
+        (``numel`` elements). The write is queued on the background thread, with a copy of the bytes, and the
+        call returns; at most :data:`WRITES_IN_FLIGHT` are queued (the next waits for the oldest). Every later
+        read sees it; its error is raised by the next :meth:`flush` (every :meth:`read` flushes) and by every
+        read of the region."""
+        if lo < 0 or lo + t.numel() > numel:
+            raise ValueError(f"write of [{lo}, {lo + t.numel()}) outside its shard of {numel} elements")
+        src = t.detach().reshape(-1).to(device="cpu", dtype=dtype)
+        if not src.numel():
+            return
+        if t.device.type == "cpu" and src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            src = src.clone()  # the caller may change ``t`` once this returns
+        self._writes.append(self._background().submit(self._write_now, offset, src.contiguous(), lo))
+        while len(self._writes) > WRITES_IN_FLIGHT:
+            self._writes.pop(0).result()
+
+    def flush(self) -> None:
+        """Wait for the queued writes; raise the first one's error, if any."""
+        writes, self._writes = self._writes, []
+        errors = [f.exception() for f in writes]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _background(self) -> ThreadPoolExecutor:
+        if not self._pool:
+            self._pool.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardspeed-param-io"))
+        return self._pool[0]
+
+    def _read_now(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        failed = self._failed.get(offset)
+        if failed is not None:
+            raise failed
         size = numel * torch.empty((), dtype=dtype).element_size()
         if not size:
             return torch.empty(0, dtype=dtype)
@@ -92,33 +141,24 @@ class NvmeParamFile:
         check_sums(expected, found, self.path, self._what(offset), offset)
         return raw[:size].view(dtype)
 
-    def read_async(self, offset: int, numel: int, dtype: torch.dtype) -> Future:
-        """:meth:`read` in the background reader; its error (a corrupt region) is raised by ``result()``."""
-        if not self._reader:
-            self._reader.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardspeed-param-read"))
-        return self._reader[0].submit(self.read, offset, numel, dtype)
-
     def _what(self, offset: int) -> str:
         return f"the parameter shard region at byte {offset} ({self._size.get(offset, 0)} bytes)"
 
-    def write(self, offset: int, numel: int, dtype: torch.dtype, t: torch.Tensor, lo: int = 0) -> None:
-        """Store ``t`` (cast to ``dtype``) as elements ``[lo, lo + t.numel())`` of the region at ``offset``
-        (``numel`` elements)."""
-        if lo < 0 or lo + t.numel() > numel:
-            raise ValueError(f"write of [{lo}, {lo + t.numel()}) outside its shard of {numel} elements")
-        src = t.detach().reshape(-1).to(device="cpu", dtype=dtype).contiguous()
-        if not src.numel():
-            return
-        sums = self._sums.get(offset)
-        a = lo * src.element_size()
-        if sums is None:
-            self.file.write(src, offset + a, pad=a + src.numel() * src.element_size() == self._size[offset])
-            return
-        start, data = self._whole_blocks(offset, src, a, sums)
-        new = self.file.write(data, offset + start, checksum=True, pad=True)  # ends at a block or the data's end
-        assert new is not None
-        k0 = start // SUM_BLOCK
-        sums[k0 : k0 + new.numel()] = new
+    def _write_now(self, offset: int, src: torch.Tensor, lo: int) -> None:
+        try:
+            sums = self._sums.get(offset)
+            a = lo * src.element_size()
+            if sums is None:
+                self.file.write(src, offset + a, pad=a + src.numel() * src.element_size() == self._size[offset])
+                return
+            start, data = self._whole_blocks(offset, src, a, sums)
+            new = self.file.write(data, offset + start, checksum=True, pad=True)  # ends at a block or the data's end
+            assert new is not None
+            k0 = start // SUM_BLOCK
+            sums[k0 : k0 + new.numel()] = new
+        except BaseException as e:  # the region's bytes are unknown now: every later read of it raises this
+            self._failed.setdefault(offset, e)
+            raise
 
     def _whole_blocks(self, offset: int, src: torch.Tensor, a: int, sums: torch.Tensor):
         """What to write so that writing ``src`` at byte ``a`` of the region covers whole checksummed blocks:
@@ -139,15 +179,18 @@ class NvmeParamFile:
         return start, stage
 
     @staticmethod
-    def _cleanup(file: SwapFile, directory: str, reader: List[ThreadPoolExecutor]) -> None:
-        for pool in reader:
-            pool.shutdown(wait=True)  # a read in flight finishes before its file goes
+    def _cleanup(file: SwapFile, directory: str, pool: List[ThreadPoolExecutor]) -> None:
+        for executor in pool:
+            executor.shutdown(wait=True)  # the queued writes and reads finish before the file goes
         file.close()
         remove_swap_dir(directory)
 
     def close(self) -> None:
-        """Close and delete the parameter file (the shards are gone afterwards)."""
-        self._finalizer()
+        """Close and delete the parameter file (the shards are gone afterwards), after the queued writes."""
+        try:
+            self.flush()
+        finally:
+            self._finalizer()
 
 
 class FilePlacement(ShardPlacement):
@@ -182,9 +225,7 @@ class FilePlacement(ShardPlacement):
             self._ahead = self.file.read_async(self.offset, self.numel, self.dtype)
 
     def write(self, t: torch.Tensor, lo: int = 0) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # the region is about to change: a read in flight must not overlap the write
-            ahead.exception()
+        self._ahead = None  # a read queued before this write gives the old bytes: dropped (the next read rereads)
         self.file.write(self.offset, self.numel, self.dtype, t, lo)
 
     def to_device_for_gather(self) -> torch.Tensor:
