@@ -37,6 +37,7 @@ import torch
 
 from ..errors import ConfigError
 from ..plan import MeshPlan, Plan
+from ..utils.direct_io import aligned_size
 from ..zero.stage3 import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
@@ -287,8 +288,8 @@ def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms
             terms["offload_buffers_host"] = slots
     elif where.optimizer == "file":
         tile = min(float(where.tile_elems), z.shard)
-        row = math.ceil(tile / 1024) * 1024  # the pool's rows are whole 4 KiB blocks (O_DIRECT)
-        pool = max(1, where.buffer_count) * 3 * row * 4 + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
+        row = aligned_size(math.ceil(tile) * 4)  # the pool's rows are whole 4 KiB blocks (O_DIRECT)
+        pool = max(1, where.buffer_count) * 3 * row + _copier_slots(z.units, z.n_dp, float(where.tile_elems))
         for name, terms in (("held", held), *phases.items()):
             terms["offload_buffers_host"] = pool + (2 * tile * 4 if name == "step" else 0.0)
 

@@ -9,9 +9,10 @@ sums (:func:`~shardspeed.offload.swap_io.block_sums`) of what was written there,
 shard is read into a temporary host tensor when it is needed (gather, checkpoints, masters) and written
 back after the optimizer step, so host memory for parameters is bounded by the units gathered at once
 (plus :data:`WRITES_IN_FLIGHT` copies queued for writing), not by the model. The writes and the read-aheads
-run in order on one background thread, off the training thread; a plain read first waits for the writes. I/O is ``os.preadv``/``os.pwritev`` with ``O_DIRECT`` where the file system allows it
-(:class:`~shardspeed.offload.swap_io.SwapFile`), through the page cache otherwise. The directory is removed on
-:meth:`close`, when the object is collected, or at interpreter exit.
+run in order on one background thread, off the training thread; a plain read first waits for the writes.
+I/O is ``os.preadv``/``os.pwritev`` with ``O_DIRECT`` where the file system allows it
+(:class:`~shardspeed.offload.swap_io.SwapFile`), through the page cache otherwise. The directory is removed
+on :meth:`close`, when the object is collected, or at interpreter exit.
 """
 from __future__ import annotations
 
@@ -24,15 +25,13 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import ConfigError
-from ..utils.direct_io import aligned_empty
+from ..utils.direct_io import aligned_empty, aligned_size
 from ..zero.placement import ShardPlacement
 from . import store
 from .swap_dirs import check_nvme_path, make_swap_dir, remove_swap_dir
 from .swap_io import SUM_BLOCK, SwapFile, check_sums, n_blocks
 
 logger = logging.getLogger("shardspeed")
-
-_ALIGN = 4096
 
 #: Writes of a parameter file queued behind the training thread at most (each holds a copy of its bytes).
 WRITES_IN_FLIGHT = 2
@@ -70,7 +69,7 @@ class NvmeParamFile:
         """Append a region for ``numel`` elements of ``dtype`` (4 KiB-aligned, preallocated); returns its
         byte offset."""
         size = numel * torch.empty((), dtype=dtype).element_size()
-        nbytes = -(-size // _ALIGN) * _ALIGN
+        nbytes = aligned_size(size)
         check_nvme_path(self.root, nbytes, what=f"the parameter shards ({self.nbytes / 2**30:.2f} GiB "
                                                 f"reserved so far)")
         offset = self.nbytes
@@ -135,7 +134,7 @@ class NvmeParamFile:
         size = numel * torch.empty((), dtype=dtype).element_size()
         if not size:
             return torch.empty(0, dtype=dtype)
-        raw = aligned_empty(-(-size // _ALIGN) * _ALIGN)
+        raw = aligned_empty(aligned_size(size))
         expected = self._sums.get(offset)
         found = self.file.read(raw, offset, checksum=expected is not None)
         check_sums(expected, found, self.path, self._what(offset), offset)

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from ..errors import ConfigError, ShardspeedError
-from ..utils.direct_io import ALIGN, aligned_empty
+from ..utils.direct_io import ALIGN, aligned_empty, aligned_size
 from .swap_dirs import (
     check_nvme_path as check_nvme_path,
     make_swap_dir as make_swap_dir,
@@ -84,7 +84,7 @@ def _pinned_ok(pin: bool) -> bool:
 
 def _padded(numel: int) -> int:
     """``numel`` fp32 elements rounded up to whole 4 KiB blocks (a tile's region in the state files)."""
-    return -(-numel // (ALIGN // _FP32)) * (ALIGN // _FP32)
+    return aligned_size(numel * _FP32) // _FP32
 
 
 def _state_buffer(tile_elems: int, pin: bool) -> torch.Tensor:

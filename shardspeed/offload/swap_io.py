@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import ShardspeedError
-from ..utils.direct_io import ALIGN, aligned_empty, direct_ok, open_direct
+from ..utils.direct_io import ALIGN, aligned_empty, aligned_size, direct_ok, open_direct
 
 #: Bytes per checksummed block of swap data (a page): one int64 of checksum in memory per block.
 SUM_BLOCK = 4096
@@ -88,26 +88,16 @@ class SwapFile:
         sums = _ChunkSums(data) if checksum else None
         step = _IO_CHUNK if sums is None or sums.words is not None else max(total, 1)
         chunks = [(c0, min(c0 + step, total)) for c0 in range(0, total, step)]
-        if not chunks:
-            return sums.out if sums is not None else None
-        if len(chunks) == 1:  # nothing to overlap
-            c0, c1 = chunks[0]
-            if sums is not None and not reading:
-                sums.add(c0, c1)
-            self._move(reading, data[c0:c1], offset + c0, pad)
-            if sums is not None and reading:
-                sums.add(c0, c1)
-            return sums.out if sums is not None else None
-        # the transfers run back to back in the file's I/O thread (queued at once: no wake-up between two of
-        # them), while this thread sums each chunk once it is read, or before it is queued for writing: on a
-        # disk the sums take no time of their own
-        io = self._io_thread()
+        # several chunks: the transfers run back to back in the file's I/O thread (queued at once: no wake-up
+        # between two of them), while this thread sums each chunk once it is read, or before it is queued for
+        # writing: on a disk the sums take no time of their own. One chunk: nothing to overlap, done here.
+        submit = self._io_thread().submit if len(chunks) > 1 else _run_now
         futs: List[Future] = []
         try:
             for c0, c1 in chunks:
                 if sums is not None and not reading:
                     sums.add(c0, c1)
-                futs.append(io.submit(self._move, reading, data[c0:c1], offset + c0, pad))
+                futs.append(submit(self._move, reading, data[c0:c1], offset + c0, pad))
             for fut, (c0, c1) in zip(futs, chunks):
                 fut.result()
                 if sums is not None and reading:
@@ -136,7 +126,7 @@ class SwapFile:
                     with self._lock:
                         if self._bounce is None:
                             self._bounce = aligned_empty(_IO_CHUNK)
-                        padded = self._bounce[: -(-n // ALIGN) * ALIGN]
+                        padded = self._bounce[: aligned_size(n)]
                         padded[:n].copy_(chunk)
                         padded[n:].zero_()
                         return _transfer_all(fn, direct, padded, at, self.path, self.fd)
@@ -146,6 +136,16 @@ class SwapFile:
                 self.direct_fd = None
                 self._retired.append(direct)  # closed at close(): another thread may still be in a transfer on it
         _transfer_all(fn, self.fd, chunk, at, self.path)
+
+
+def _run_now(fn, *args) -> Future:
+    """``fn(*args)`` on the calling thread, as a finished :class:`Future` (its result or its error)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:
+        fut.set_exception(e)
+    return fut
 
 
 def _transfer_all(fn, fd: int, chunk: torch.Tensor, at: int, path: str, rest_fd: Optional[int] = None) -> None:

@@ -37,6 +37,11 @@ STREAM_CHUNK = 8 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM)
 
 
+def aligned_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 host tensor of ``nbytes`` bytes whose data starts at an :data:`ALIGN`-aligned
     address (pinned with ``pin``): a view into an allocation :data:`ALIGN` bytes larger."""
@@ -129,7 +134,7 @@ class StreamWriter:
         the bytes written; they stay in the buffer, so later writes go on from there."""
         if self._bounce is None or not self._fill:
             return
-        padded = -(-self._fill // ALIGN) * ALIGN
+        padded = aligned_size(self._fill)
         self._bounce[self._fill: padded] = 0
         self._put(self._bounce[:padded], self._file_pos)
         os.ftruncate(self.fd, self._file_pos + self._fill)
