@@ -170,7 +170,7 @@ def test_offload_matches_no_offload(tmp_path):
                 assert 1 <= ref["skipped"] < STEPS, f"{case}: skipped {ref['skipped']} of {STEPS} steps"
                 assert got["scale"] == ref["scale"]
             if case[4].endswith("+pnvme"):  # parameter shards in the file only: none in memory, none counted
-                assert got["pfile_list"] == ["params.bin"] and got["pfile_holds_shards"], case
+                assert got["pfile_list"] == ["owner.lock", "params.bin"] and got["pfile_holds_shards"], case
                 assert got["pfile_size"] >= got["shard_bytes"] > 0, case
                 assert not os.path.exists(got["pfile_dir"]), "close() removes the parameter file"
                 assert got["mem"]["parameters"] == 0 and got["mem"]["offloaded_parameters"] == 0, (case, got["mem"])
@@ -189,7 +189,7 @@ def test_offload_matches_no_offload(tmp_path):
             else:  # ratio 0.5 keeps part of it there
                 assert got["mem"]["optimizer_states"] > 0, (case, got["mem"])
             if case[4].startswith("nvme") and "nvme_files" in got:
-                assert got["nvme_files"] == ["exp_avg.f32", "exp_avg_sq.f32", "master.f32"]
+                assert got["nvme_files"] == ["exp_avg.f32", "exp_avg_sq.f32", "master.f32", "owner.lock"]
                 assert got["file_master_matches"] and got["file_moments_nonzero"], case
                 assert got["pool_bytes"] <= got["pool_bound"], case
                 assert not os.path.exists(got["nvme_dir"]), "close() removes the state files"

@@ -58,7 +58,7 @@ def test_nvme_store_streams_many_tiles_through_a_small_pool(tmp_path):
         assert seen == list(range(20))
     assert torch.all(store.read_tile(tiles[7]).master == 10)
     d = store.dir
-    assert sorted(os.listdir(d)) == ["exp_avg.f32", "exp_avg_sq.f32", "master.f32"]
+    assert sorted(os.listdir(d)) == ["exp_avg.f32", "exp_avg_sq.f32", "master.f32", "owner.lock"]
     assert os.path.getsize(os.path.join(d, "master.f32")) == 20 * 1024 * 4  # each tile's region: whole 4 KiB blocks
     store.close()
     assert not os.path.exists(d)

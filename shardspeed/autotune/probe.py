@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..utils.safe_files import write_atomic
+
 logger = logging.getLogger("shardspeed")
 
 
@@ -133,10 +135,7 @@ class ProfileWindow:
             metrics["FLOPS_per_gpu"] = flops_per_step / step_s
         if not dist.is_initialized() or dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(self.metric_path)), exist_ok=True)
-            tmp = self.metric_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(metrics, f)
-            os.replace(tmp, self.metric_path)  # the tuner never reads a torn file
+            write_atomic(self.metric_path, json.dumps(metrics).encode())  # the tuner never reads a torn file
             logger.info("autotuning: wrote metrics to %s", os.path.abspath(self.metric_path))
         return metrics
 

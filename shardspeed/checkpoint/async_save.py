@@ -172,6 +172,8 @@ class AsyncSaves:
             self._error = f"the asynchronous save of {job.final} failed: {exc}"
             logger.error("%s", self._error)
         finally:
+            if job.lock is not None:  # rank 0: the save folder's lock, held since save_checkpoint
+                job.lock.release()
             if job.on_written is not None:  # (harmless if set already; not set when it failed before writing)
                 job.on_written()
             self.writer_cpu_s, self.writer_wall_s = time.thread_time() - cpu0, time.perf_counter() - t0

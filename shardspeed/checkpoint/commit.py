@@ -19,11 +19,14 @@ import glob
 import os
 import shutil
 import uuid
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import CheckpointError
 from .format import fsync_dir, maybe_crash, write_bytes_atomic
 from .metadata import METADATA_FILE
+
+if TYPE_CHECKING:
+    from .save_lock import SaveLock
 
 LATEST = "latest"
 
@@ -32,9 +35,11 @@ def new_temp_dir(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f"{tag}.tmp-{uuid.uuid4().hex[:12]}")
 
 
-def remove_stale(save_dir: str) -> None:
+def remove_stale(save_dir: str, lock: SaveLock) -> None:
     """Remove leftovers of interrupted saves: temporary directories, and moved-aside old copies whose tag
-    was committed after all. Called by rank 0 at the start of a save (one saver per directory)."""
+    was committed after all. Called by rank 0 at the start of a save, holding the folder's save ``lock``
+    (:mod:`.save_lock`): another job's save in progress is never taken for a leftover."""
+    lock.check()
     for path in glob.glob(os.path.join(save_dir, "*.tmp-*")):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..errors import CheckpointError
+from ..utils.safe_files import replacing
 from .commit import read_latest, resolve
 from .format import NAME_TO_DTYPE, LazyTensor, ShardReader, fsync_dir, write_bytes_atomic, write_safetensors
 from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
@@ -100,16 +101,10 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     weight_map: Dict[str, str] = {}
     for fname, group in zip(files, plan):
         items = [(out_name, lazy(src)) for out_name, src in group]
-        tmp = os.path.join(out_dir, fname + ".tmp")
-        try:
-            write_safetensors(tmp, items, metadata={"format": "pt"})
-            os.replace(tmp, os.path.join(out_dir, fname))
-        except BaseException:  # a corrupt checkpoint, a full disk: leave no half-written file behind
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        # written in a private folder, then moved into place: a corrupt checkpoint or a full disk leaves no
+        # half-written file behind, and a link planted in a shared out_dir is replaced, never written through
+        with replacing(os.path.join(out_dir, fname), sync=False) as staged:  # (write_safetensors fsyncs)
+            write_safetensors(staged, items, metadata={"format": "pt"})
         weight_map.update({out_name: fname for out_name, _ in group})
     if n > 1:
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..utils.direct_io import StreamWriter
+from ..utils.safe_files import create_new, write_atomic
 
 WRITE_CHUNK_BYTES = 64 << 20
 
@@ -241,29 +242,16 @@ def _drop_cached(fd: int) -> None:
 
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write a small file via a temporary name, fsync, ``os.replace``, fsync the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    """Write a small file through a private temporary folder beside it, fsync, ``os.replace``, fsync the
+    directory (:func:`~shardspeed.utils.safe_files.write_atomic`: never through a link planted at a
+    temporary name)."""
+    write_atomic(path, data)
 
 
 def write_file_synced(path: str, data: bytes) -> int:
-    with open(path, "wb") as f:
+    """Create ``path`` (it must not exist: :func:`~shardspeed.utils.safe_files.create_new`), write ``data``,
+    fsync; returns its CRC-32."""
+    with os.fdopen(create_new(path), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

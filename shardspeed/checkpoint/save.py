@@ -17,6 +17,7 @@ from .commit import commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
 from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
 from .metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo, rank_file
+from .save_lock import SaveLock
 
 logger = logging.getLogger("shardspeed")
 
@@ -160,15 +161,20 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     save_dir = os.path.abspath(save_dir)
 
     # 1. rank 0 prepares the temporary directory; every rank learns its name (and that tags agree)
+    # (rank 0 holds the folder's save lock from here until the commit: a second writer is refused)
     prep: Tuple[Optional[str], Optional[str], str] = (None, None, tag)
     mine: Optional[str] = None  # the temporary directory this rank created (rank 0), removed on failure
+    lock: Optional[SaveLock] = None  # released here, or by the asynchronous writer once it committed
     if view.rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            remove_stale(save_dir)
+            lock = SaveLock.acquire(save_dir, tag)
+            remove_stale(save_dir, lock)
             mine = new_temp_dir(save_dir, tag)
             os.makedirs(mine)
             prep = (mine, None, tag)
+        except CheckpointError as exc:
+            prep = (None, str(exc), tag)
         except OSError as exc:
             prep = (None, f"cannot create a checkpoint directory in {save_dir}: {exc}", tag)
     tmp: Optional[str] = None
@@ -178,15 +184,20 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             tag, err = _check_tag(engine.config.checkpoint.tag_validation, view.rank, tag, tag0)
         view.agree(err)
         assert tmp is not None
-        job = RankSave(view.rank, save_dir, tmp, tag, save_latest, t0)
+        job = RankSave(view.rank, save_dir, tmp, tag, save_latest, t0, lock=lock)
         if not async_save:
             return write_and_commit(job, view, lambda: collect(view, job, client_state))
         if saves is None:
             raise CheckpointError("internal error: async_save asked of an engine without an asynchronous saver")
-        return saves.start(view, job, client_state)
+        final = saves.start(view, job, client_state)
+        lock = None  # the writer thread holds it until its commit
+        return final
     except BaseException:
         remove_leftovers(view.rank, mine, tmp)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _check_tag(mode: str, rank: int, tag: str, tag0: str) -> Tuple[str, Optional[str]]:
@@ -229,6 +240,8 @@ class RankSave:
     tag: str
     save_latest: bool
     t0: float
+    #: rank 0: the save folder's lock (:mod:`.save_lock`), checked before the commit
+    lock: Optional[SaveLock] = None
     items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]] = field(default_factory=list)
     entries: List[Entry] = field(default_factory=list)
     rng_keys: List[str] = field(default_factory=list)
@@ -303,8 +316,10 @@ def write_and_commit(job: RankSave, coord: Coordination, collect_now: Optional[C
     err = None
     if job.rank == 0:
         try:
+            if job.lock is not None:
+                job.lock.check()
             commit(job.save_dir, job.tmp, job.tag, job.save_latest)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             err = f"could not commit checkpoint {job.tmp} as {job.final}: {exc}"
     coord.agree(err)
     if job.rank == 0:

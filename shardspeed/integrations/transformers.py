@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
+from ..utils.safe_files import replacing
+
 __all__ = ["ShardspeedTrainer", "fill_auto", "save_pretrained"]
 
 ConfigLike = Union[str, "os.PathLike[str]", Dict[str, Any]]
@@ -198,7 +200,8 @@ def _write_safetensors(state_dict: Dict[str, torch.Tensor], path: str) -> None:
     for k, v in state_dict.items():  # safetensors refuses aliased tensors: tied names get their own copy
         clean[k] = v.clone() if id(v) in seen else v.contiguous()
         seen.add(id(v))
-    save_file(clean, path, metadata={"format": "pt"})
+    with replacing(path) as staged:  # never through a link planted at the final name
+        save_file(clean, staged, metadata={"format": "pt"})
 
 
 def save_pretrained(engine, save_directory: Union[str, os.PathLike[str]], exclude_frozen_parameters: bool = False,

@@ -1,7 +1,7 @@
 """offload_param with ``device: nvme``: the stage-3 parameter shards of this rank in one file.
 
 One file per rank (``nvme_path/shardspeed-swap-<job>/rank<r>-attempt<a>-pid<p>-<host>/param-*/params.bin``,
-:func:`~shardspeed.offload.swap_dirs.make_swap_dir`, which first removes this job's dead folders of the rank),
+:func:`~shardspeed.offload.swap_dirs.make_swap_dir`, which first removes the folders of dead processes),
 one region per unit at a 4 KiB-aligned offset, preallocated as each unit is built with its
 :class:`FilePlacement` (``posix_fallocate``) after the same checks as the optimizer store
 (:func:`~shardspeed.offload.swap_dirs.check_nvme_path`). Every read of a region is checked against the block
@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..utils.direct_io import aligned_empty, aligned_size
 from ..zero.placement import ShardPlacement
 from . import store
-from .swap_dirs import check_nvme_path, make_swap_dir, remove_swap_dir
+from .swap_dirs import SwapDir, check_nvme_path, make_swap_dir
 from .swap_io import SUM_BLOCK, SwapFile, check_sums, n_blocks
 
 logger = logging.getLogger("shardspeed")
@@ -48,12 +48,13 @@ class NvmeParamFile:
         self.verify = store.verify_swap_default() if verify is None else bool(verify)
         self._sums: Dict[int, torch.Tensor] = {}  # region offset -> block sums of its bytes as last written
         self._size: Dict[int, int] = {}  # region offset -> bytes of data in it (numel × element size)
-        self.root, self.dir = make_swap_dir(nvme_path, "param", rank, 0, "the parameter shards")
+        swap = make_swap_dir(nvme_path, "param", rank, 0, "the parameter shards")
+        self.root, self.dir = swap.root, swap.path
         self.path = os.path.join(self.dir, "params.bin")
         try:
             self.file = SwapFile(self.path)
         except OSError as e:
-            remove_swap_dir(self.dir)
+            swap.remove()
             raise ConfigError(f"offload_param nvme_path {self.root!r}: cannot create the parameter file "
                               f"({e.strerror})") from e
         # one background thread, made at first use, for the writes (queued behind the training thread) and the
@@ -61,7 +62,7 @@ class NvmeParamFile:
         self._pool: List[ThreadPoolExecutor] = []
         self._writes: List[Future] = []  # queued writes, oldest first
         self._failed: Dict[int, BaseException] = {}  # region offset -> the error of a write to it that failed
-        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.file, self.dir, self._pool)
+        self._finalizer = weakref.finalize(self, NvmeParamFile._cleanup, self.file, swap, self._pool)
         logger.info("NVMe parameter shards: %s (%s)", self.path,
                     "O_DIRECT" if self.file.direct_fd is not None else "through the page cache")
 
@@ -178,11 +179,11 @@ class NvmeParamFile:
         return start, stage
 
     @staticmethod
-    def _cleanup(file: SwapFile, directory: str, pool: List[ThreadPoolExecutor]) -> None:
+    def _cleanup(file: SwapFile, swap: SwapDir, pool: List[ThreadPoolExecutor]) -> None:
         for executor in pool:
             executor.shutdown(wait=True)  # the queued writes and reads finish before the file goes
         file.close()
-        remove_swap_dir(directory)
+        swap.remove()
 
     def close(self) -> None:
         """Close and delete the parameter file (the shards are gone afterwards), after the queued writes."""

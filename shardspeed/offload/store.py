@@ -20,8 +20,9 @@ wrote them raise a :class:`~shardspeed.errors.ShardspeedError` naming the file, 
 Swap folders (:func:`make_swap_dir`): ``nvme_path/shardspeed-swap-<job>/rank<R>-attempt<A>-pid<P>-<host>/
 <kind>-*``, where the job is torchrun's ``TORCHELASTIC_RUN_ID`` (else a hash of ``MASTER_ADDR:MASTER_PORT``,
 else ``local``) and the attempt its ``TORCHELASTIC_RESTART_COUNT``. A new store first removes the
-folders of its own job and rank left by dead processes or older attempts (:func:`remove_dead_swap`); the
-folders are made and removed by :mod:`.swap_dirs`.
+swap folders under ``nvme_path`` whose process is gone, and its own rank's of older attempts
+(:func:`remove_dead_swap`); the folders (private to this user, each locked by its live owner) are made
+and removed by :mod:`.swap_dirs`.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import torch
 from ..errors import ConfigError, ShardspeedError
 from ..utils.direct_io import ALIGN, aligned_empty, aligned_size
 from .swap_dirs import (
+    SwapDir as SwapDir,
     check_nvme_path as check_nvme_path,
     make_swap_dir as make_swap_dir,
     remove_dead_swap as remove_dead_swap,
@@ -172,7 +174,8 @@ class NvmeStateStore:
         for t in self.tiles:
             self._at[t.index] = total * _FP32
             total += _padded(t.numel)
-        root, self.dir = make_swap_dir(nvme_path, "optim", rank, 3 * total * _FP32, "the optimizer state")
+        swap = make_swap_dir(nvme_path, "optim", rank, 3 * total * _FP32, "the optimizer state")
+        root, self.dir = swap.root, swap.path
         # tile index -> block sums of (master, exp_avg, exp_avg_sq) as last written (the files start as zeros)
         self._sums: Dict[int, List[torch.Tensor]] = {
             t.index: [torch.zeros(n_blocks(t.numel * _FP32), dtype=torch.int64) for _ in STATE_NAMES]
@@ -185,7 +188,7 @@ class NvmeStateStore:
                     f.preallocate(0, total * _FP32)  # fails now (ENOSPC), not mid-training
         except OSError as e:
             self._close_files()
-            remove_swap_dir(self.dir)
+            swap.remove()
             raise ConfigError(f"offload nvme_path {root!r}: cannot create the state files ({e.strerror}); "
                               f"need {3 * total * _FP32 / 2**30:.2f} GiB") from e
         self.tile_elems = max((t.numel for t in self.tiles), default=0)
@@ -198,7 +201,7 @@ class NvmeStateStore:
         self._owner: Dict[int, torch.Tensor] = {}  # tile index -> buffer it occupies
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardspeed-nvme-write")
         self._writes: List[Future] = []
-        self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.files), self.dir, self._writer)
+        self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.files), swap, self._writer)
         self._file_bytes = 3 * total * _FP32
         direct = all(f.direct_fd is not None for f in self.files.values())
         logger.info("NVMe optimizer state: %s (%.2f GiB%s), %d buffers × %d elements", self.dir,
@@ -403,11 +406,11 @@ class NvmeStateStore:
         self.files = {}
 
     @staticmethod
-    def _cleanup(files: Dict[str, SwapFile], directory: str, writer: ThreadPoolExecutor) -> None:
+    def _cleanup(files: Dict[str, SwapFile], swap: SwapDir, writer: ThreadPoolExecutor) -> None:
         writer.shutdown(wait=True)
         for f in files.values():
             f.close()
-        remove_swap_dir(directory)
+        swap.remove()
 
     def close(self) -> None:
         """Flush, close and delete the state files."""

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ShardspeedError
 from ..utils.direct_io import ALIGN, aligned_empty, aligned_size, direct_ok, open_direct
+from ..utils.safe_files import create_new, reopen
 
 #: Bytes per checksummed block of swap data (a page): one int64 of checksum in memory per block.
 SUM_BLOCK = 4096
@@ -33,8 +34,9 @@ _IO_CHUNK = 4 << 20
 
 
 class SwapFile:
-    """One swap file, created empty at ``path`` and opened twice: buffered, and with ``O_DIRECT`` where the
-    file system allows it (:func:`~shardspeed.utils.direct_io.open_direct`). A transfer whose address, file
+    """One swap file, created empty at ``path`` (nothing may be there yet) and opened twice: buffered, and
+    with ``O_DIRECT`` where the file system allows it (:func:`~shardspeed.utils.direct_io.open_direct`; the
+    name opened again is checked to lead to the same file). A transfer whose address, file
     offset and length are :data:`~shardspeed.utils.direct_io.ALIGN`-aligned goes straight between the
     buffer and the disk; a write at an aligned offset from any other buffer goes through an aligned bounce
     buffer when the caller says the bytes up to the next aligned boundary are padding (``pad``); anything
@@ -43,9 +45,9 @@ class SwapFile:
 
     def __init__(self, path: str):
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.fd = create_new(path, os.O_RDWR, 0o600)  # never an existing file, nor through a link
         try:
-            self.direct_fd = open_direct(path, os.O_RDWR)
+            self.direct_fd = reopen(path, self.fd, os.O_RDWR, open_direct)  # checked: the file just created
         except OSError:
             os.close(self.fd)
             raise

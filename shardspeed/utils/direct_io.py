@@ -28,6 +28,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .safe_files import create_new, reopen
+
 #: Alignment of address, offset and length for ``O_DIRECT`` transfers.
 ALIGN = 4096
 
@@ -72,17 +74,23 @@ def direct_ok(t: torch.Tensor, offset: int) -> bool:
 
 
 class StreamWriter:
-    """A new file at ``path`` (truncated), written front to back by :meth:`write` and finished by
-    :meth:`close`. With ``O_DIRECT`` (:func:`open_direct`), the bytes go through a bounce buffer of
-    :data:`STREAM_CHUNK` bytes, written whenever it fills; otherwise they are written as given, buffered.
-    :meth:`flush` hands everything written so far to the OS (a crash test's partial file)."""
+    """A new file at ``path`` (created by this call: nothing, not even a link, may be there;
+    :func:`~shardspeed.utils.safe_files.create_new`), written front to back by :meth:`write` and finished by
+    :meth:`close`. With ``O_DIRECT`` (:func:`open_direct`, on the same file opened again by name, checked to
+    be the one created), the bytes go through a bounce buffer of :data:`STREAM_CHUNK` bytes, written whenever
+    it fills; otherwise they are written as given, buffered. :meth:`flush` hands everything written so far
+    to the OS (a crash test's partial file)."""
 
     def __init__(self, path: str, chunk: int = STREAM_CHUNK):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        fd = open_direct(path, flags, 0o644)
         self.path = path
+        self._plain = create_new(path, os.O_WRONLY, 0o644)
+        try:
+            fd = reopen(path, self._plain, os.O_WRONLY, open_direct)
+        except BaseException:
+            os.close(self._plain)
+            raise
         self.direct = fd is not None
-        self.fd = fd if fd is not None else os.open(path, flags, 0o644)
+        self.fd = fd if fd is not None else self._plain
         self.written = 0  # bytes accepted by write()
         self._file_pos = 0  # bytes of the file that are final (always a multiple of the chunk when direct)
         self._bounce = aligned_empty(chunk).numpy() if self.direct else None
@@ -125,7 +133,7 @@ class StreamWriter:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                refused, self.fd, self.direct = self.fd, os.open(self.path, os.O_WRONLY), False
+                refused, self.fd, self.direct = self.fd, self._plain, False
                 os.close(refused)
         _write_all(self.fd, data, offset)
 
@@ -146,7 +154,9 @@ class StreamWriter:
             if sync:
                 os.fsync(self.fd)
         finally:
-            os.close(self.fd)
+            if self.fd != self._plain:
+                os.close(self.fd)
+            os.close(self._plain)
 
 
 def _write_all(fd: int, data: np.ndarray, offset: int) -> None:

@@ -21,8 +21,9 @@ import torch
 
 from ...config.zero import zero_block
 from ...errors import CheckpointError
+from ...utils.safe_files import replacing
 from ..commit import read_latest, resolve
-from ..format import NAME_TO_DTYPE, ShardReader, crc32
+from ..format import NAME_TO_DTYPE, ShardReader, crc32, write_bytes_atomic
 from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
 from .layout import zero3_piece
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
@@ -164,7 +165,7 @@ def _zero0(ours: _Ours, out: str, world: int) -> None:
         if st:
             state[i] = st
     opt = {"state": state, "param_groups": [_hyper_group(ours, list(range(len(ours.trained))))]}
-    torch.save(_model_states(ours, world, 0, torch.float32, False, None, opt), os.path.join(out, MODEL_FILE))
+    _save(_model_states(ours, world, 0, torch.float32, False, None, opt), os.path.join(out, MODEL_FILE))
 
 
 def _flat_range(ours: _Ours, layout: List[Tuple[str, int, int]], state: str, lo: int, hi: int,
@@ -203,11 +204,11 @@ def _zero12(ours: _Ours, out: str, world: int, stage: int, dtype: torch.dtype, p
                "zero_stage": enum(stage), "group_paddings": [part - n], "partition_count": [world],
                "param_alignment_paddings": [[0] * len(layout)], "ds_version": version,
                "param_slice_mappings": [mapping]}
-        torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
+        _save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
                    os.path.join(out, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
         del osd, st
     shapes = [OrderedDict((n, torch.Size(s)) for n, s in ours.trained)]
-    torch.save(_model_states(ours, world, stage, dtype, False, shapes), os.path.join(out, MODEL_FILE))
+    _save(_model_states(ours, world, stage, dtype, False, shapes), os.path.join(out, MODEL_FILE))
 
 
 def _sub_groups(ours: _Ours, world: int, sub_group_size: int) -> List[List[Tuple[str, Any]]]:
@@ -260,9 +261,16 @@ def _zero3(ours: _Ours, out: str, world: int, dtype: torch.dtype, prefix: str, s
                "optimizer_state_dict": {"state": opt_state, "param_groups": [_hyper_group(ours, [i])
                                                                          for i in range(len(groups))]},
                "fp32_flat_groups": flats[WEIGHT]}
-        torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
+        _save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
                    os.path.join(out, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-        torch.save(_model_states(ours, world, 3, dtype, True, shapes), os.path.join(out, Z3_MODEL.format(r)))
+        _save(_model_states(ours, world, 3, dtype, True, shapes), os.path.join(out, Z3_MODEL.format(r)))
+
+
+def _save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` in a private folder beside ``path``, then moved onto it (never through a
+    link planted at ``path``; the archive keeps the file's own name inside)."""
+    with replacing(path, sync=False) as staged:
+        torch.save(obj, staged)
 
 
 def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: Optional[str] = None,
@@ -289,6 +297,9 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     out_tag = out_tag or os.path.basename(ours.path)
     out = os.path.join(save_dir, out_tag)
     os.makedirs(out, exist_ok=True)
+    if os.path.islink(out):
+        raise CheckpointError(f"export to DeepSpeed: {out} is a symbolic link; remove it or choose another "
+                              f"out_tag (the checkpoint is written only into a real folder)")
     prefix = "bf16_" if tdtype == torch.bfloat16 else ""
     if stage == 0:
         _zero0(ours, out, world)
@@ -296,8 +307,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
         _zero12(ours, out, world, stage, tdtype, prefix)
     else:
         _zero3(ours, out, world, tdtype, prefix, sub_group_size)
-    with open(os.path.join(save_dir, "latest"), "w") as f:
-        f.write(out_tag)
+    write_bytes_atomic(os.path.join(save_dir, "latest"), out_tag.encode())
     ours.reader.close()
     logger.info("wrote DeepSpeed ZeRO-%d checkpoint for %d ranks at %s", stage, world, out)
     return out

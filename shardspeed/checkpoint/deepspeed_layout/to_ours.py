@@ -16,6 +16,7 @@ from ...errors import CheckpointError
 from ..commit import commit, new_temp_dir, read_latest
 from ..format import NAME_TO_DTYPE, LazyTensor, fsync_dir, write_file_synced, write_safetensors
 from ..metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, FileInfo, read_range
+from ..save_lock import SaveLock
 from .source import DeepSpeedSource
 from .universal import open_deepspeed
 
@@ -65,9 +66,10 @@ def import_deepspeed(load_dir: str, save_dir: str, tag: Optional[str] = None, ou
                               f"mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)")
     out_tag = out_tag or tag
     os.makedirs(save_dir, exist_ok=True)
+    lock = SaveLock.acquire(save_dir, out_tag)  # one writer at a time into save_dir (a training job's saves too)
     tmp = new_temp_dir(save_dir, out_tag)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         items, entries = _items(src)
         written = write_safetensors(os.path.join(tmp, RANK_FILE), items, metadata={"format": "pt"})
         del items
@@ -85,11 +87,13 @@ def import_deepspeed(load_dir: str, save_dir: str, tag: Optional[str] = None, ou
         meta.locate_entries()
         write_file_synced(os.path.join(tmp, METADATA_FILE), meta.to_json().encode())
         fsync_dir(tmp)
+        lock.check()
         final = commit(save_dir, tmp, out_tag, save_latest=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        lock.release()
         src.reader.close()
     logger.info("converted DeepSpeed checkpoint %s to %s", src.path, final)
     return final
