@@ -148,7 +148,8 @@ def _check_model_attention(config: Any, core: str) -> None:
     current = getattr(config, "_attn_implementation", None)
     if current not in (None, core, ATTENTION_NAME):
         raise ConfigError(f"core_attn_implementation {core!r} does not match the model's attention implementation "
-                          f"{current!r}: pass {current!r}, or load the model with attn_implementation={core!r}")
+                          f"{current!r}: load the model with attn_implementation={core!r} (or pass its own "
+                          f"implementation, if not eager, as core_attn_implementation)")
 
 
 def _core_function(mapping: Dict[str, Any], core: str) -> Any:
