@@ -1,5 +1,8 @@
 """Shared parts of the sequence-parallel tests: a tiny Llama, the reference loop (one process, no
-sequence parallelism, the same global batch) and the sharded loop through shardspeed."""
+sequence parallelism, the same global batch) and the sharded loop through shardspeed.
+
+Registering the sequence-parallel attention replaces transformers' "sdpa" entry process-wide (as DeepSpeed
+does): a rank computes every reference before its first registration (``reference`` checks it)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -9,14 +12,27 @@ import torch
 VOCAB, HIDDEN, STEPS, LR, CLIP = 64, 32, 3, 3e-3, 0.5
 
 
-def llama(heads: int = 4, kv_heads: int = 2, layers: int = 2, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(heads: int = 4, kv_heads: int = 2, layers: int = 2):
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      attention_dropout=0.0, tie_word_embeddings=False)
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                       attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def llama(heads: int = 4, kv_heads: int = 2, layers: int = 2, seed: int = 0, attn: str = "sdpa"):
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    return LlamaForCausalLM._from_config(llama_config(heads, kv_heads, layers), attn_implementation=attn)
+
+
+def plain_sdpa() -> bool:
+    """Whether transformers' "sdpa" entry is still its own function (no registration in this process yet)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward
 
 
 def batches(replicas: int, micro: int, seq: int, pad_tail: int = 0, seed: int = 1) -> List[List[Dict[str, Any]]]:
@@ -37,6 +53,7 @@ def batches(replicas: int, micro: int, seq: int, pad_tail: int = 0, seed: int = 
 
 def reference(model, steps: List[List[Dict[str, Any]]], clip: float = CLIP) -> Dict[str, Any]:
     """Plain torch: each replica's token-mean loss, averaged over replicas (what data parallelism trains)."""
+    assert plain_sdpa(), "a reference must be computed before the sequence-parallel attention is registered"
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for step in steps:
@@ -62,9 +79,13 @@ def config(stage: int, sp: int, micro: int = 1, **extra: Any) -> Dict[str, Any]:
 
 
 def train_sp(model, cfg: Dict[str, Any], steps: List[List[Dict[str, Any]]], *, attention: str = "ulysses",
-             tiled: Optional[int] = None, tiled_loss: int = 1) -> Dict[str, Any]:
+             tiled: Optional[int] = None, tiled_loss: int = 1, register_with: Any = None) -> Dict[str, Any]:
     """The same steps through shardspeed with sequence parallelism: this rank takes its data replica's batch
-    and its shard of the sequence; the loss is the built-in token-count combination."""
+    and its shard of the sequence; the loss is the built-in token-count combination.
+
+    ``register_with`` (a name/path or another loaded model; default ``model``) is what
+    ``register_with_transformers`` gets; ``model`` may be a function building the model, called after
+    registering (DeepSpeed's order: register, then build, then initialize)."""
     import torch.distributed as dist
 
     import shardspeed
@@ -72,8 +93,10 @@ def train_sp(model, cfg: Dict[str, Any], steps: List[List[Dict[str, Any]]], *, a
     from shardspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     sp = cfg["sequence_parallel_size"]
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, cfg["train_micro_batch_size_per_gpu"],
-                                                          attention=attention)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model if register_with is None else register_with, "sdpa",
+                                                          sp, cfg["train_micro_batch_size_per_gpu"], attention=attention)
+    if not isinstance(model, torch.nn.Module):
+        model = model()
     if tiled:
         enable_tiled_mlp(model, tiled)
     engine, *_ = shardspeed.initialize(model=model, config=cfg, mpu=mpu)
@@ -106,3 +129,20 @@ def max_diff(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, float]:
     keys = set(a["params"]) & set(b["params"])
     assert keys, "no parameters to compare"
     return {"loss": loss, "param": max(float((a["params"][k] - b["params"][k]).abs().max()) for k in keys)}
+
+
+def sp_logits(engine, input_ids: torch.Tensor, mpu) -> torch.Tensor:
+    """The engine's forward logits of ``input_ids`` (every rank holds the whole batch), each rank running its
+    shard of the sequence, gathered over the sequence group into the whole sequence's."""
+    import torch.distributed as dist
+
+    from shardspeed.parallel.sp import shard_batch
+
+    group, rank, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), \
+        mpu.get_sequence_parallel_world_size()
+    b = shard_batch({"input_ids": input_ids, "labels": input_ids.clone()}, rank, sp)
+    with torch.no_grad():
+        logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits.contiguous()
+    parts = [torch.empty_like(logits) for _ in range(sp)]
+    dist.all_gather(parts, logits, group=group)
+    return torch.cat(parts, dim=1)[:, : input_ids.shape[1]]

@@ -156,3 +156,62 @@ def test_long_context_peak_prices_the_plain_loss_as_its_own_phase():
     assert tiled.phase == "backward" and tiled.terms["grad_buckets"] > 0
     short, _ = long_context_peak(spec, cfg, 2, 64, 4, sp=2)
     assert short.phase == "backward" and short.terms["gathered"] > persistent
+
+
+class _SelfAttention(nn.Module):
+    """An attention module: ``sp`` marks it as a sequence-parallel function does."""
+
+    def __init__(self, sp: bool):
+        super().__init__()
+        self.proj, self.sp = nn.Linear(4, 4), sp
+
+    def forward(self, x):
+        if self.sp:
+            from shardspeed.parallel.sp import mark_sequence_parallel
+
+            mark_sequence_parallel(self)
+        return self.proj(x)
+
+
+class _BertAttention(nn.Module):  # an outer "attention" module holding the inner one (transformers' Bert)
+    def __init__(self, sp: bool):
+        super().__init__()
+        self.self = _SelfAttention(sp)
+
+    def forward(self, x):
+        return self.self(x)
+
+
+def test_first_forward_check_names_the_attention_module_that_skipped_sequence_parallelism():
+    from shardspeed.runtime.sequence_parallel.attention_check import attention_modules, check_attention_on_first_forward
+
+    ok = nn.Sequential(_BertAttention(True), _BertAttention(True))
+    assert [n for n, _ in attention_modules(ok)] == ["0.self", "1.self"]  # the innermost only
+    check_attention_on_first_forward(ok, 2)
+    for _ in range(2):  # checked at the first call, then its hooks are gone
+        ok(torch.ones(1, 4))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in ok.modules())
+    bad = nn.Sequential(_BertAttention(True), _BertAttention(False))
+    check_attention_on_first_forward(bad, 2)
+    with pytest.raises(ConfigError, match=r"^sequence_parallel_size 2: attention module '1.self' \(_SelfAttention\) "
+                                          r"ran plain attention over this rank's shard"):
+        bad(torch.ones(1, 4))
+    bad(torch.ones(1, 4))  # one refusal: the hooks went with it
+    plain = nn.Sequential(nn.Linear(4, 4))
+    check_attention_on_first_forward(plain, 1)  # nothing to check at SP 1
+    plain(torch.ones(1, 4))
+    check_attention_on_first_forward(plain, 4)
+    with pytest.raises(ConfigError, match="the first forward of Sequential ran no attention"):
+        plain(torch.ones(1, 4))
+
+
+def test_register_refuses_a_loaded_model_of_another_attention_implementation():
+    pytest.importorskip("transformers")
+    from sp_cases import llama, plain_sdpa
+
+    from shardspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    with pytest.raises(ConfigError, match="core_attn_implementation 'sdpa' does not match the model's attention "
+                                          "implementation 'eager'"):
+        UlyssesSPAttentionHF.register_with_transformers(llama(attn="eager"), "sdpa", 2, 1)
+    assert plain_sdpa()  # refused before anything was registered

@@ -133,7 +133,7 @@ class PipelineModule(nn.Module):
                     f"partition_method=\"uniform\" or \"type:<regex>\", fewer stages, or fold parameter-free "
                     f"layers into their neighbours")
         self.stage_ids = list(stage_ids)
-        for name in [n for n in self._modules if n != "tied_modules"]:
+        for name in [n for n in self._modules if n.isdigit()]:  # the layers (an nn.Module loss_fn stays)
             del self._modules[name]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs = {}

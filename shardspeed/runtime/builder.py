@@ -43,6 +43,7 @@ from .engine import Engine
 from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
 from .parts import EngineParts
 from .pipeline_engine import PipelineEngine
+from .sequence_parallel.attention_check import check_attention_on_first_forward
 
 logger = logging.getLogger("shardspeed")
 
@@ -190,7 +191,7 @@ def build_engine(
         zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, timers=timers,
         steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
         memory_breakdown=bool(cfg.memory_breakdown), param_manager=manager,
-        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo), config=cfg,
+        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo, shuffle=pipe_plan is None), config=cfg,
         gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save, async_save=plan.save.async_save,
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),
@@ -204,6 +205,7 @@ def build_engine(
         engine = PipelineEngine(parts, dataclasses.replace(pipe_plan, tied=tied))
     else:
         engine = Engine(parts)
+        check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
     ds_groups.set_topology(topo)
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
@@ -401,8 +403,9 @@ def _loss_scaler(ls: LossScalePlan, compute: torch.dtype):
     )
 
 
-def _dataloader(cfg, training_data, collate_fn, topo: Topology):
+def _dataloader(cfg, training_data, collate_fn, topo: Topology, shuffle: bool):
+    """``training_data``'s loader; a pipeline's is in order, as DeepSpeed's PipelineEngine reads it."""
     if training_data is None:
         return None
     return build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, topo, collate_fn=collate_fn,
-                            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)))
+                            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)), shuffle=shuffle)

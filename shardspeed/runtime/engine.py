@@ -44,10 +44,7 @@ class Engine(nn.Module):
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
         self.config = parts.config
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._grad_norm: Optional[float] = None
         self._boundary_override: Optional[bool] = None
         self._in_no_sync = False
@@ -121,13 +118,15 @@ class Engine(nn.Module):
         return self._p.train_dtype
 
     def boundary_step(self, before_optimizer: Optional[Callable[[GradientReducer], None]] = None) -> None:
-        """The accumulation boundary's work, for a driver that runs forward and backward itself (a pipeline
-        schedule): reduce what is pending, ``before_optimizer(reducer)`` (e.g. sum tied gradients), step."""
+        """The boundary's work for a driver running forward and backward itself (after record_step_loss):
+        reduce what is pending, ``before_optimizer(reducer)`` (e.g. sum tied gradients), step, monitors."""
         with self._timers("step"):
             self._p.reducer.reduce_pending()
             if before_optimizer is not None:
                 before_optimizer(self._p.reducer)
             self._optimizer_step()
+        if self._p.monitor is not None:  # after the step timer stopped, as in step()
+            self._p.monitor.after_step(self, self._timers)
 
     @property
     def last_loss(self) -> Optional[torch.Tensor]:
@@ -143,11 +142,10 @@ class Engine(nn.Module):
             self._progress = None
 
     def record_step_loss(self, loss: torch.Tensor) -> None:
-        """A driver's mean loss of the step just taken: what the progress line and the monitors report."""
+        """A driver's mean loss of the step it takes next (:meth:`boundary_step`): what its reports show."""
         self._last_loss = loss
-        if self._p.monitor is not None:  # the step's mean loss (every rank has it), then the step's events
-            self._p.monitor.add_loss(loss)
-            self._p.monitor.after_step(self, self._timers)
+        if self._p.monitor is not None:
+            self._p.monitor.add_loss(loss)  # the step's mean loss (every rank has it)
 
     @property
     def timers(self) -> Timers:

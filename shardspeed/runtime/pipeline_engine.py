@@ -22,6 +22,7 @@ from ..errors import DistributedError, ShardspeedError
 from ..pipe.module import PipelineModule
 from ..pipe.plan import PipeParts
 from ..pipe.schedules import ScheduleCache, StageChunk, build_schedule, p2p_errors
+from .dataloader import RepeatingLoader
 from .engine import Engine, EngineParts, move_inputs
 
 logger = logging.getLogger("shardspeed")
@@ -208,11 +209,11 @@ class PipelineEngine(Engine):
         m = self.gradient_accumulation_steps()
         with self.timers("forward"):  # forward and backward interleave inside the schedule
             self._run(data_iter, m, train=True)
+        loss = self._mean_loss()
+        self.record_step_loss(loss)  # before the step: its steps_per_print line shows this step's loss
         tied = self._pipe.tied
         self.boundary_step(None if tied is None else lambda reducer: tied.all_reduce(reducer.grad_shard))
         self.micro_steps += m
-        loss = self._mean_loss()
-        self.record_step_loss(loss)
         return loss
 
     def eval_batch(self, data_iter: Optional[Iterator], return_logits: bool = False, compute_loss: bool = True,
@@ -234,10 +235,12 @@ class PipelineEngine(Engine):
         return loss
 
     def _default_iter(self, data_iter: Optional[Iterator]) -> Optional[Iterator]:
+        """``data_iter``, else the ``training_data`` loader repeated (DeepSpeed's ``RepeatingLoader``: a new
+        epoch when one ends, never StopIteration)."""
         if data_iter is not None or self.training_dataloader is None:
             return data_iter
         if getattr(self, "_data_iterator", None) is None:
-            self._data_iterator = iter(self.training_dataloader)
+            self._data_iterator = RepeatingLoader(self.training_dataloader)
         return self._data_iterator
 
     def _mean_loss(self) -> torch.Tensor:

@@ -38,6 +38,17 @@ class LocalHeads:
         return getattr(self._module, name)
 
 
+#: set in a module's ``__dict__`` when its attention went through a sequence-parallel function (what the
+#: engine's first-forward check reads, see shardspeed.runtime.sequence_parallel.attention_check)
+SP_MARK = "_shardspeed_sequence_parallel_attention"
+
+
+def mark_sequence_parallel(module: Any) -> None:
+    """Record that ``module``'s attention ran through a sequence-parallel function."""
+    if isinstance(module, torch.nn.Module):
+        module.__dict__[SP_MARK] = True
+
+
 def check_heads(heads: int, kv_heads: int, world: int) -> None:
     """Ulysses' constraint: P divides the query heads, and P divides the KV heads or they divide P."""
     if heads % world:
@@ -50,6 +61,7 @@ def check_heads(heads: int, kv_heads: int, world: int) -> None:
 def ulysses_attention(core: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       group, **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """Ulysses attention (see the module docstring); ``core`` is transformers' attention function."""
+    mark_sequence_parallel(module)
     world = dist.get_world_size(group)
     heads, kv_heads = query.shape[1], key.shape[1]
     check_heads(heads, kv_heads, world)
@@ -93,6 +105,7 @@ def ring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
                    scaling: Optional[float] = None, dropout: float = 0.0,
                    **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """Exact attention over the group's zigzag-sharded sequence, all heads on every rank."""
+    mark_sequence_parallel(module)
     if dropout:
         raise ConfigError("ring attention: attention dropout is not supported (set attention_dropout to 0)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -1,15 +1,21 @@
 """DeepSpeed's Arctic Long Sequence Training API (``deepspeed.runtime.sequence_parallel.ulysses_sp``).
 
-A script written for DeepSpeed runs with ``deepspeed`` → ``shardspeed`` in its imports::
+A script written for DeepSpeed runs with ``deepspeed`` → ``shardspeed`` in its imports, in DeepSpeed's order
+(register, then build or load the model, then initialize; registering a loaded model works too)::
 
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sequence_parallel_size=P,
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path, "sdpa", sequence_parallel_size=P,
                                                           micro_batch_size=1)
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, attn_implementation="sdpa")
     engine, *_ = shardspeed.initialize(model=model, config={..., "sequence_parallel_size": P}, mpu=mpu)
     dl = UlyssesSPDataLoaderAdapter(dl, sp_rank, sp_group, sp_world_size, device)
 
-The attention registered under "ulysses" is Ulysses (P divides the heads) or, with ``attention="ring"``
-(shardspeed's extension; ``"auto"`` picks it when P does not divide the heads), ring attention, whose
-batches must come in the zigzag layout (``UlyssesSPDataLoaderAdapter(..., layout="zigzag")``).
+As DeepSpeed does, registering replaces the core implementation's entry ("sdpa") in transformers' attention
+registry, process-wide: every model of the process that uses it runs sequence-parallel attention from then
+on (compute plain references before registering). The same function is also registered as "ulysses".
+It is Ulysses (P divides the heads) or, with ``attention="ring"`` (shardspeed's extension; ``"auto"`` picks
+it when P does not divide the heads), ring attention, whose batches must come in the zigzag layout
+(``UlyssesSPDataLoaderAdapter(..., layout="zigzag")``). ``initialize`` checks on the first forward that
+the model's attention went through it (:mod:`.attention_check`).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from ...parallel.sp import (
     TiledFusedLogitsLoss,
     TiledMLP,
     check_heads,
+    mark_sequence_parallel,
     prepare_full,
     ring_attention,
     sequence_tiled_compute,
@@ -71,6 +78,7 @@ class UlyssesSPAttentionHF(nn.Module):
         self.global_kv_head_count, self.num_hidden_layers = kv_head_count, num_hidden_layers
         self.seq_length_is_variable, self.disable_in_eval = seq_length_is_variable, disable_in_eval
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
+        self.core_attn_implementation: Optional[str] = None  # the registry entry it replaces (DeepSpeed's)
         if attention == "ulysses":
             check_heads(attn_head_count, kv_head_count, self.world_size)
         elif attention != "ring":
@@ -78,6 +86,7 @@ class UlyssesSPAttentionHF(nn.Module):
 
     def forward(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, Any]:
+        mark_sequence_parallel(module)  # went through here (also when eval bypasses it)
         if self.disable_in_eval and not module.training:
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         if not self.seq_length_is_variable and self.local_seq_length is not None \
@@ -96,11 +105,14 @@ class UlyssesSPAttentionHF(nn.Module):
                                    sequence_parallel_size: int, micro_batch_size: int,
                                    seq_length: Optional[int] = None, seq_length_is_variable: bool = True,
                                    disable_in_eval: bool = False, *, attention: str = "ulysses"):
-        """Register the "ulysses" attention with transformers and return the mpu for ``initialize(mpu=...)``
-        (None at ``sequence_parallel_size`` 1, as DeepSpeed). ``model_name_or_path``: a loaded model, whose
-        attention implementation becomes "ulysses" (other models in the process keep theirs), or a name or
-        path: then, as DeepSpeed does, ``core_attn_implementation``'s entry itself is replaced, for the model
-        the script loads next with it."""
+        """Register the sequence-parallel attention with transformers and return the mpu for
+        ``initialize(mpu=...)`` (None at ``sequence_parallel_size`` 1, as DeepSpeed).
+
+        As DeepSpeed: ``core_attn_implementation``'s entry in transformers' registry is replaced, process-wide,
+        whether ``model_name_or_path`` is a loaded model (its ``attn_implementation`` must be that one; its
+        config is left as it is) or a name or path (its config gives the head counts; the model built or loaded
+        next with that implementation runs it). Registering again (another size, ``attention``) replaces the
+        previous registration: it wraps the original core function, never the previous wrapper."""
         if int(sequence_parallel_size) == 1:
             return None
         if not seq_length_is_variable and seq_length is None:
@@ -109,12 +121,9 @@ class UlyssesSPAttentionHF(nn.Module):
 
         loaded = hasattr(model_name_or_path, "config")
         config = model_name_or_path.config if loaded else AutoConfig.from_pretrained(model_name_or_path)
-        if core_attn_implementation in ("eager", "paged|eager"):
-            raise ConfigError(f"core_attn_implementation {core_attn_implementation!r}: eager attention needs a 4D "
-                              f"mask of the whole sequence; use 'sdpa' or a flash attention")
-        if core_attn_implementation not in AttentionInterface._global_mapping:
-            raise ConfigError(f"core_attn_implementation {core_attn_implementation!r} is not one of transformers' "
-                              f"attention implementations {sorted(AttentionInterface._global_mapping)}")
+        if loaded:
+            _check_model_attention(config, core_attn_implementation)
+        core = _core_function(AttentionInterface._global_mapping, core_attn_implementation)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or
                                                              text.num_attention_heads)
@@ -123,29 +132,38 @@ class UlyssesSPAttentionHF(nn.Module):
             attention = "ulysses" if heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0) else "ring"
         mpu = sequence_parallel_mpu(p)
         local = None if seq_length_is_variable or seq_length is None else int(seq_length) // p
-        uattn = cls(AttentionInterface._global_mapping[core_attn_implementation], micro_batch_size, heads,
-                    int(getattr(text, "head_dim", None) or text.hidden_size // heads), kv_heads,
-                    int(text.num_hidden_layers), mpu.get_sequence_parallel_group(), seq_length_is_variable, local,
-                    seq_length, disable_in_eval, attention)
+        uattn = cls(core, micro_batch_size, heads, int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                    kv_heads, int(text.num_hidden_layers), mpu.get_sequence_parallel_group(), seq_length_is_variable,
+                    local, seq_length, disable_in_eval, attention)
+        uattn.core_attn_implementation = core_attn_implementation
+        logger.info("register_with_transformers: %r now runs %s attention over the sequence group (process-wide)",
+                    core_attn_implementation, attention)
+        AttentionInterface.register(core_attn_implementation, uattn)
         AttentionInterface.register(ATTENTION_NAME, uattn)
-        if loaded:
-            _use_attention(model_name_or_path, core_attn_implementation)
-        else:
-            logger.info("register_with_transformers: %r now runs %s attention over the sequence group",
-                        core_attn_implementation, attention)
-            AttentionInterface.register(core_attn_implementation, uattn)
         return mpu
 
 
-def _use_attention(model: nn.Module, core: str) -> None:
-    """Point every config of a loaded model at "ulysses" (they must have been using ``core``)."""
-    configs: Dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-    for cfg in configs.values():
-        current = getattr(cfg, "_attn_implementation", None)
-        if current not in (None, core, ATTENTION_NAME):
-            raise ConfigError(f"core_attn_implementation {core!r} does not match the model's attention "
-                              f"implementation {current!r}; load the model with attn_implementation={core!r}")
-        cfg._attn_implementation = ATTENTION_NAME
+def _check_model_attention(config: Any, core: str) -> None:
+    """A loaded model must use the implementation whose entry is replaced (DeepSpeed's check), or "ulysses"."""
+    current = getattr(config, "_attn_implementation", None)
+    if current not in (None, core, ATTENTION_NAME):
+        raise ConfigError(f"core_attn_implementation {core!r} does not match the model's attention implementation "
+                          f"{current!r}: load the model with attn_implementation={core!r} (or pass its own "
+                          f"implementation, if not eager, as core_attn_implementation)")
+
+
+def _core_function(mapping: Dict[str, Any], core: str) -> Any:
+    """transformers' own function for ``core`` (under a previous registration: the one it wraps)."""
+    if core in ("eager", "paged|eager"):
+        raise ConfigError(f"core_attn_implementation {core!r}: eager attention needs a 4D mask of the whole "
+                          f"sequence; use 'sdpa' or a flash attention")
+    if core not in mapping:
+        raise ConfigError(f"core_attn_implementation {core!r} is not one of transformers' attention "
+                          f"implementations {sorted(mapping)}")
+    fn = mapping[core]
+    while isinstance(fn, UlyssesSPAttentionHF):
+        fn = fn.attn
+    return fn
 
 
 class UlyssesSPDataLoaderAdapter:
