@@ -4,8 +4,10 @@ DeepSpeed's call order (DeepSpeed 0.19.8 as the oracle, gloo, ``DS_ACCELERATOR=c
 - ``state_dict()`` of our MoE layers has DeepSpeed's per-expert keys: each side loads the other's (strict).
 - A DeepSpeed ZeRO-2 checkpoint of an EP 2 model (world 2, per-layer expert files, expert parameter groups
   partitioned over the expert-data group) loads into our engine: every weight equal to DeepSpeed's, the
-  steps after it equal to DeepSpeed's own continuation. A DeepSpeed MoE checkpoint without ZeRO is refused
+  steps after it equal to DeepSpeed's own continuation; at EP 1 every expert by its global id. A DeepSpeed MoE checkpoint without ZeRO is refused
   in one line, the engine untouched.
+- Ours saved at EP 2 and written in DeepSpeed's layout (``export_deepspeed``, ``shardspeed convert``: expert
+  groups and per-expert files) loads into DeepSpeed, which continues it as ours does.
 - The CIFAR example's shape (a conv net, an MoE layer with an ``nn.Linear`` expert, EP 2, top-1 with random
   token selection, with and without "RSample", data through ``initialize(training_data=...)``): the losses
   equal DeepSpeed's from the first step (the engine's loader draws its iterator's seed from the global RNG
@@ -40,12 +42,12 @@ def _batches(n: int) -> List[Any]:
     return [(torch.randn(2, B, T, 8, generator=g), torch.randn(2, B, T, 8, generator=g)) for _ in range(n)]
 
 
-def _engine(lib, moe_cls, split, stage: int, seed: int = 0):
+def _engine(lib, moe_cls, split, stage: int, seed: int = 0, ep: int = 2):
     import torch.distributed as dist
 
     torch.manual_seed(seed)
-    net = MoENet(moe_cls, E, 2, min_capacity=4, **GATE)
-    load_experts(net, expert_weights(E, seed=7 + seed), dist.get_rank())
+    net = MoENet(moe_cls, E, ep, min_capacity=4, **GATE)
+    load_experts(net, expert_weights(E, seed=7 + seed), dist.get_rank() % ep)
     groups = split({"params": list(net.parameters()), "name": "dense"})
     return lib.initialize(model=net, config=_config(stage), model_parameters=groups)[0], net
 
@@ -93,9 +95,26 @@ def _checkpoints(base: str) -> Dict[str, Any]:
     except CheckpointError as exc:
         out["refused"] = str(exc)
     out["untouched"] = all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    ep1, net1 = _engine(shardspeed, MoE, split, 1, seed=1, ep=1)  # resharded: every expert on every rank
+    ep1.load_checkpoint(f"{base}/ds2", tag="t")
+    out["ep1_loaded"] = {k: v.clone() for k, v in net1.state_dict().items()}
     engine.load_checkpoint(f"{base}/ds2", tag="t")
     out["ours_loaded"] = {k: v.clone() for k, v in net.state_dict().items()}
     out["ours_cont"] = _train(engine, batches[2:])
+    # the other way: ours saves, `shardspeed convert`'s export writes DeepSpeed's layout, DeepSpeed loads it
+    engine.save_checkpoint(f"{base}/ours", tag="o")
+    out["ours_saved"] = {k: v.clone() for k, v in net.state_dict().items()}
+    if dist.get_rank() == 0:
+        from shardspeed.checkpoint.deepspeed_layout.export import export_deepspeed
+
+        export_deepspeed(f"{base}/ours", f"{base}/ours_ds", world=2, stage=2, tag="o")
+    dist.barrier()
+    more = _batches(6)[4:]
+    out["ours_more"] = _train(engine, more)
+    dse, dnet = _engine(deepspeed, DSMoE, ds_split, 2, seed=2)
+    dse.load_checkpoint(f"{base}/ours_ds", tag="o")
+    out["ds_loaded"] = {k: v.clone() for k, v in dnet.state_dict().items()}
+    out["ds_more"] = _train(dse, more)
     return out
 
 
@@ -208,6 +227,19 @@ def test_deepspeed_moe_checkpoint_loads_and_continues(results):
         for k in saved:
             assert torch.equal(loaded[k], saved[k]), (rank, k)  # this rank's experts, exactly
         assert r["ours_cont"] == pytest.approx(r["ds_cont2"], rel=1e-5, abs=1e-6), rank
+        for k, v in saved.items():  # at EP 1 (ZeRO 1) local expert i of rank r is global expert 2r + i
+            i = k.split(".deepspeed_experts.")[1].split(".")[0] if ".deepspeed_experts." in k else None
+            key = k if i is None else k.replace(f".deepspeed_experts.{i}.", f".deepspeed_experts.{2 * rank + int(i)}.")
+            assert torch.equal(results[0]["ep1_loaded"][key], v), (rank, k)
+
+
+def test_our_moe_checkpoint_exported_loads_into_deepspeed(results):
+    for rank, r in enumerate(results):
+        saved, loaded = r["ours_saved"], r["ds_loaded"]
+        assert list(loaded) == list(saved), rank
+        for k in saved:
+            assert torch.equal(loaded[k], saved[k]), (rank, k)
+        assert r["ds_more"] == pytest.approx(r["ours_more"], rel=1e-5, abs=1e-6), rank
 
 
 def test_deepspeed_moe_checkpoint_without_zero_is_refused(results):
