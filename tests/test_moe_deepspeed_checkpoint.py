@@ -4,7 +4,8 @@ DeepSpeed's call order (DeepSpeed 0.19.8 as the oracle, gloo, ``DS_ACCELERATOR=c
 - ``state_dict()`` of our MoE layers has DeepSpeed's per-expert keys: each side loads the other's (strict).
 - A DeepSpeed ZeRO-2 checkpoint of an EP 2 model (world 2, per-layer expert files, expert parameter groups
   partitioned over the expert-data group) loads into our engine: every weight equal to DeepSpeed's, the
-  steps after it equal to DeepSpeed's own continuation; at EP 1 every expert by its global id. A DeepSpeed MoE checkpoint without ZeRO is refused
+  steps after it equal to DeepSpeed's own continuation; at EP 1 every expert by its global id; DeepSpeed's
+  EP 1 checkpoint (its expert group over both ranks) continues at our EP 2. A DeepSpeed MoE checkpoint without ZeRO is refused
   in one line, the engine untouched.
 - Ours saved at EP 2 and written in DeepSpeed's layout (``export_deepspeed``, ``shardspeed convert``: expert
   groups and per-expert files) loads into DeepSpeed, which continues it as ours does.
@@ -86,6 +87,10 @@ def _checkpoints(base: str) -> Dict[str, Any]:
         dse.save_checkpoint(f"{base}/ds{stage}", tag="t")
         out[f"ds_saved{stage}"] = {k: v.clone() for k, v in dnet.state_dict().items()}
         out[f"ds_cont{stage}"] = _train(dse, batches[2:])
+    dse, _ = _engine(deepspeed, DSMoE, ds_split, 2, ep=1)  # EP 1: its expert group spans both ranks
+    _train(dse, batches[:2])
+    dse.save_checkpoint(f"{base}/ds_ep1", tag="t")
+    out["ds_cont_ep1"] = _train(dse, batches[2:])
     dist.barrier()
     engine, net = _engine(shardspeed, MoE, split, 2, seed=1)  # other weights: all of them must come from the file
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -98,6 +103,8 @@ def _checkpoints(base: str) -> Dict[str, Any]:
     ep1, net1 = _engine(shardspeed, MoE, split, 1, seed=1, ep=1)  # resharded: every expert on every rank
     ep1.load_checkpoint(f"{base}/ds2", tag="t")
     out["ep1_loaded"] = {k: v.clone() for k, v in net1.state_dict().items()}
+    engine.load_checkpoint(f"{base}/ds_ep1", tag="t")  # into EP 2: each rank its two experts of the four
+    out["ours_cont_ep1"] = _train(engine, batches[2:])
     engine.load_checkpoint(f"{base}/ds2", tag="t")
     out["ours_loaded"] = {k: v.clone() for k, v in net.state_dict().items()}
     out["ours_cont"] = _train(engine, batches[2:])
@@ -227,6 +234,7 @@ def test_deepspeed_moe_checkpoint_loads_and_continues(results):
         for k in saved:
             assert torch.equal(loaded[k], saved[k]), (rank, k)  # this rank's experts, exactly
         assert r["ours_cont"] == pytest.approx(r["ds_cont2"], rel=1e-5, abs=1e-6), rank
+        assert r["ours_cont_ep1"] == pytest.approx(r["ds_cont_ep1"], rel=1e-5, abs=1e-6), rank
         for k, v in saved.items():  # at EP 1 (ZeRO 1) local expert i of rank r is global expert 2r + i
             i = k.split(".deepspeed_experts.")[1].split(".")[0] if ".deepspeed_experts." in k else None
             key = k if i is None else k.replace(f".deepspeed_experts.{i}.", f".deepspeed_experts.{2 * rank + int(i)}.")

@@ -107,13 +107,15 @@ def moe_spans(shapes: Shapes, paddings: Optional[Sequence[Sequence[int]]], parts
     table: Shapes = []
     experts_of: Dict[str, int] = {}
     local: Dict[str, int] = {}  # a layer's local experts, counted over all expert groups (a group may be cut)
+    # expert groups by their names (at EP 1 their partition_count is the world's, as a dense group's)
+    experts = [bool(params) and all(_LOCAL.match(n) for n, _ in params) for params in shapes]
     for g, params in enumerate(shapes):
-        for n, _ in params if counts[g] != world else ():
+        for n, _ in params if experts[g] else ():
             holder, i, _ = _parse(n, file)
             local[holder] = max(local.get(holder, 0), i + 1)
     for g, params in enumerate(shapes):
         pads = list(paddings[g]) if paddings is not None else None
-        if counts[g] == world:
+        if not experts[g]:
             for s in zero12_spans([[(n, _numel(sh)) for n, sh in params]], None if pads is None else [pads],
                                   [parts[g]]):
                 spans.append(Span(s.name, s.start, s.end, s.rank, g, s.offset))
