@@ -11,7 +11,9 @@ expert that vmap cannot batch (data-dependent control flow, ``.item()``, random 
 the stacked slices instead; :attr:`Experts.compute_path` says which ("mlp", "vmap" or "loop"), decided at
 the first forward by one trial on the real inputs (under a forked RNG, so the trial draws nothing).
 
-Every local expert starts as a copy of the expert given (as DeepSpeed's deep copies do). The stacked
+Every local expert starts as a copy of the expert given (as DeepSpeed's deep copies do). ``state_dict()`` and
+``load_state_dict()`` speak DeepSpeed's keys: local expert ``i``'s tensors under ``deepspeed_experts.<i>.<name>``
+(views of the stacked rows; a state dict with the stacked ``deepspeed_experts.<name>`` still loads). The stacked
 parameters carry DeepSpeed's tags (``allreduce = False``, ``group_name = "ep_size_N"``), so
 ``is_moe_param`` and ``split_params_into_different_moe_groups_for_optimizer`` see them, and ZeRO reduces
 and shards them over the expert-data group.
@@ -19,7 +21,7 @@ and shards them over the expert-data group.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -77,6 +79,41 @@ class Experts(nn.Module):
         self._template: Tuple[nn.Module, ...] = (template,)
         self._mlp = mlp_layers(template)
         self.compute_path: Optional[str] = "mlp" if self._mlp is not None else None
+        self.register_state_dict_post_hook(Experts._per_expert_keys)
+        self.register_load_state_dict_pre_hook(Experts._stack_expert_keys)
+
+    def _per_expert_keys(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """state_dict: each stacked ``deepspeed_experts.<name>`` ([num_local, ...]) becomes DeepSpeed's
+        ``deepspeed_experts.<i>.<name>``, local expert by local expert. A sharded placeholder (ZeRO-3, no rows)
+        keeps its stacked key."""
+        base = prefix + "deepspeed_experts."
+        n = self.num_local_experts
+        rows = [(name, state_dict.pop(base + name)) for name in self._names
+                if base + name in state_dict and state_dict[base + name].dim() > 0
+                and state_dict[base + name].shape[0] == n]
+        for i in range(n):
+            for name, t in rows:
+                state_dict[f"{base}{i}.{name}"] = t[i]
+
+    def _stack_expert_keys(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                           missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        """load_state_dict: DeepSpeed's per-expert ``deepspeed_experts.<i>.<name>`` stacked into the parameter's
+        ``deepspeed_experts.<name>``; a stacked key (our earlier state dicts) loads as it is."""
+        base = prefix + "deepspeed_experts."
+        for name in self._names:
+            keys = [f"{base}{i}.{name}" for i in range(self.num_local_experts)]
+            found = [k for k in keys if k in state_dict]
+            if not found:
+                continue
+            if len(found) < len(keys):
+                for k in found:
+                    state_dict.pop(k)
+                error_msgs.append(f"MoE experts {base[:-1]!r}: the state dict holds {len(found)} of this layer's "
+                                  f"{len(keys)} local experts for {name!r} (missing {sorted(set(keys) - set(found))[0]!r})"
+                                  f"; a state dict saved at another ep_size needs the checkpoint loader "
+                                  f"(engine.load_checkpoint), which reshards experts by global id")
+                continue
+            state_dict[base + name] = torch.stack([state_dict.pop(k) for k in keys])
 
     def stacked(self) -> Dict[str, Tensor]:
         """The stacked parameters by the expert's parameter names (read here: ZeRO-3 gathers them)."""

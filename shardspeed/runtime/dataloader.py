@@ -153,6 +153,10 @@ class ResumableDataLoader(DataLoader):
         if self.generator is not None:  # worker seeds per epoch, never a draw from the global RNG (which a
             self.generator.manual_seed(sampler.seed * 1_000_003 + sampler.epoch)  # resume restores)
         sampler.begin_pass()
+        if sampler.position == 0:  # an epoch's first pass: one int64 from the global RNG, the draw torch's
+            # DataLoader (DeepSpeed's loader) makes for its iterator's seed, so later random ops (MoE token
+            # selection, dropout) see DeepSpeed's numbers. A pass resumed mid-epoch does not: its run drew it.
+            torch.empty((), dtype=torch.int64).random_()
         for batch in super().__iter__():
             # counted before the training loop sees it: a save after this batch's step resumes after it
             sampler.advance(self.batch_size)
@@ -177,8 +181,9 @@ def build_dataloader(dataset, micro_batch_size: int, topo: Topology, collate_fn:
         return DataLoader(dataset, batch_size=micro_batch_size, collate_fn=collate_fn, drop_last=drop_last)
     sampler = ResumableDistributedSampler(dataset, num_replicas=topo.batch_world, rank=topo.batch_rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
-    # a generator of its own: torch's DataLoader otherwise draws its base seed from the global RNG on every
-    # iter(), so a loop resumed from a checkpoint (RNG restored, then iter()) would shift dropout by one draw
+    # a generator of its own for the workers' seeds: torch's DataLoader otherwise draws its base seed from the
+    # global RNG on every iter(), so a loop resumed mid-epoch (RNG restored, then iter()) would shift dropout by
+    # one draw; the global RNG still advances by that draw at each epoch's start (ResumableDataLoader.__iter__)
     return ResumableDataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                                drop_last=drop_last, pin_memory=topo.device.type == "cuda",
                                generator=torch.Generator())

@@ -5,7 +5,8 @@ Written one file at a time: each rank's optimizer file is assembled from our ent
 masters and of each Adam moment), saved and dropped before the next; the model-states file holds the
 module's weights in the training dtype (DeepSpeed's format puts them in one pickle). DeepSpeed pickles its
 own loss scaler and stage enum into these files and loads them as objects, so writing them needs
-``deepspeed`` importable (its classes, none of its code paths). One parameter group, and at ZeRO 0 fp32
+``deepspeed`` importable (its classes, none of its code paths). One parameter group (and, with native MoE
+layers at ZeRO 1-2, DeepSpeed's expert group and per-expert files: :mod:`.moe_export`), and at ZeRO 0 fp32
 only (DeepSpeed's ZeRO-0 bf16/fp16 optimizers keep other layouts).
 """
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 
 from ...config.zero import zero_block
 from ...errors import CheckpointError
-from ...utils.safe_files import replacing
 from ..commit import read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader, crc32, write_bytes_atomic
 from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
-from .layout import zero3_piece
+from .layout import save_pt, zero3_piece
+from .moe_export import ExpertPlan, Run, dense_layout, expert_plan, write_expert_files
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
 
 logger = logging.getLogger("shardspeed")
@@ -51,10 +52,12 @@ class _Ours:
         self.common: Dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         self.trained = registration_order(self.meta)
         groups = (self.meta.optimizer or {}).get("param_groups", {})
-        if len(groups) > 1:
+        if len(groups) > 1 and not all(g.get("moe") for g in list(groups.values())[1:]):
             raise CheckpointError(f"{os.path.join(self.path, 'metadata.json')}: field 'optimizer.param_groups' has "
-                                  f"{len(groups)} groups; export to DeepSpeed's layout handles one")
+                                  f"{len(groups)} groups; export to DeepSpeed's layout handles one (and, with MoE "
+                                  f"layers, the expert groups of split_params_into_different_moe_groups_for_optimizer)")
         self.hyper = dict(next(iter(groups.values()), {}))
+        self.moe_hyper = dict(list(groups.values())[1]) if len(groups) > 1 else self.hyper
         self.ds_config: Optional[Dict[str, Any]] = None  # the DeepSpeed config the run will load under
 
     def read(self, name: str, state: str, lo: int, hi: int) -> torch.Tensor:
@@ -115,8 +118,8 @@ def _scaler(ours: _Ours):
     return s
 
 
-def _hyper_group(ours: _Ours, params: List[int]) -> Dict[str, Any]:
-    g = {k: (tuple(v) if isinstance(v, list) else v) for k, v in ours.hyper.items() if k not in IMPL_KEYS}
+def _hyper_group(ours: _Ours, params: List[int], hyper: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    g = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (hyper or ours.hyper).items() if k not in IMPL_KEYS}
     g["params"] = params
     return g
 
@@ -165,50 +168,64 @@ def _zero0(ours: _Ours, out: str, world: int) -> None:
         if st:
             state[i] = st
     opt = {"state": state, "param_groups": [_hyper_group(ours, list(range(len(ours.trained))))]}
-    _save(_model_states(ours, world, 0, torch.float32, False, None, opt), os.path.join(out, MODEL_FILE))
+    save_pt(_model_states(ours, world, 0, torch.float32, False, None, opt), os.path.join(out, MODEL_FILE))
 
 
-def _flat_range(ours: _Ours, layout: List[Tuple[str, int, int]], state: str, lo: int, hi: int,
-                size: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flat concatenation ``layout`` (name, flat offset, numel) of ``state``,
-    zero-padded to ``size``."""
+def _flat_range(ours: _Ours, layout: List[Run], state: str, lo: int, hi: int, size: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flat concatenation ``layout`` of ``state``, zero-padded to ``size``."""
     out = torch.zeros(size, dtype=torch.float32)
-    for name, off, n in layout:
-        a, b = max(lo, off), min(hi, off + n)
+    for run in layout:
+        a, b = max(lo, run.off), min(hi, run.off + run.n)
         if a < b:
-            out[a - lo : b - lo] = ours.read(name, state, a - off, b - off)
+            out[a - lo : b - lo] = ours.read(run.src, state, run.src_off + a - run.off, run.src_off + b - run.off)
     return out
 
 
-def _zero12(ours: _Ours, out: str, world: int, stage: int, dtype: torch.dtype, prefix: str) -> None:
-    version, _, _, enum, frag = _ds()
-    layout, total = [], 0
-    for name, shape in ours.trained:
-        layout.append((name, total, math.prod(shape)))
-        total += math.prod(shape)
-    part = math.ceil(total / (2 * world)) * 2  # a partition of the group padded to 2 × world
+def _partition(ours: _Ours, layout: List[Run], ranks: int, j: int, step: Optional[float]):
+    """Partition ``j`` of a flat group over ``ranks`` (padded to ``2 × ranks``, as ZeRO 1-2 pads): its fp32
+    weights without the tail padding, its Adam state, the padding cut, DeepSpeed's slice mapping."""
+    frag = _ds()[4]
+    total = sum(run.n for run in layout)
+    part = math.ceil(total / (2 * ranks)) * 2
+    lo, hi = j * part, min((j + 1) * part, total)
+    st: Dict[str, Any] = {} if step is None else {"step": torch.tensor(step)}
+    for sk in ("exp_avg", "exp_avg_sq"):
+        if all(ours.has(run.src, sk) for run in layout):
+            st[sk] = _flat_range(ours, layout, sk, lo, hi, part)
+    mapping = OrderedDict((run.name, frag(numel=min(hi, run.off + run.n) - max(lo, run.off), start=max(lo, run.off) - lo))
+                          for run in layout if max(lo, run.off) < min(hi, run.off + run.n))
+    return _flat_range(ours, layout, WEIGHT, lo, hi, max(hi - lo, 0)), st, part - max(hi - lo, 0), mapping
+
+
+def _zero12(ours: _Ours, out: str, world: int, stage: int, dtype: torch.dtype, prefix: str,
+            plan: Optional[ExpertPlan] = None) -> None:
+    """ZeRO 1-2: one flat group over every rank; with MoE layers (``plan``) also DeepSpeed's expert group,
+    partitioned over the ranks holding the same experts, and its per-expert model files."""
+    version, _, _, enum, _ = _ds()
+    dense = dense_layout(ours.trained, plan)
     step = ours.step()
     for r in range(world):
-        lo, hi = r * part, min((r + 1) * part, total)
-        n = max(hi - lo, 0)
-        st: Dict[str, Any] = {} if step is None else {"step": torch.tensor(step)}
-        for sk in ("exp_avg", "exp_avg_sq"):
-            if all(ours.has(name, sk) for name, _ in ours.trained):
-                st[sk] = _flat_range(ours, layout, sk, lo, hi, part)
-        mapping = OrderedDict((name, frag(numel=min(hi, off + k) - max(lo, off), start=max(lo, off) - lo))
-                              for name, off, k in layout if max(lo, off) < min(hi, off + k))
+        groups = [(dense, world, r)] if plan is None else [(dense, world, r), (plan.layout(r % plan.ep),
+                                                                              world // plan.ep, r // plan.ep)]
+        parts = [_partition(ours, layout, ranks, j, step) for layout, ranks, j in groups]
+        hypers = [_hyper_group(ours, [0])] + [_hyper_group(ours, [1], ours.moe_hyper) for _ in groups[1:]]
         osd = {"loss_scaler": _scaler(ours), "dynamic_loss_scale": bool((ours.common.get("loss_scaler") or {})
                                                                        .get("dynamic")), "overflow": False,
-               "base_optimizer_state": {"state": {0: st} if st else {}, "param_groups": [_hyper_group(ours, [0])]},
-               "single_partition_of_fp32_groups": [_flat_range(ours, layout, WEIGHT, lo, hi, n)],
-               "zero_stage": enum(stage), "group_paddings": [part - n], "partition_count": [world],
-               "param_alignment_paddings": [[0] * len(layout)], "ds_version": version,
-               "param_slice_mappings": [mapping]}
-        _save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
-                   os.path.join(out, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-        del osd, st
-    shapes = [OrderedDict((n, torch.Size(s)) for n, s in ours.trained)]
-    _save(_model_states(ours, world, stage, dtype, False, shapes), os.path.join(out, MODEL_FILE))
+               "base_optimizer_state": {"state": {g: p[1] for g, p in enumerate(parts) if p[1]},
+                                        "param_groups": hypers},
+               "single_partition_of_fp32_groups": [p[0] for p in parts], "zero_stage": enum(stage),
+               "group_paddings": [p[2] for p in parts], "partition_count": [ranks for _, ranks, _ in groups],
+               "param_alignment_paddings": [[0] * len(layout) for layout, _, _ in groups], "ds_version": version,
+               "param_slice_mappings": [p[3] for p in parts]}
+        save_pt({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
+              os.path.join(out, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        del osd, parts
+    layouts = [dense] + ([plan.layout(0)] if plan is not None else [])
+    shapes = [OrderedDict((run.name, torch.Size(run.shape)) for run in layout) for layout in layouts]
+    ms = _model_states(ours, world, stage, dtype, False, shapes)
+    if plan is not None:
+        write_expert_files(ours, out, plan, ms, dtype)
+    save_pt(ms, os.path.join(out, MODEL_FILE))
 
 
 def _sub_groups(ours: _Ours, world: int, sub_group_size: int) -> List[List[Tuple[str, Any]]]:
@@ -261,26 +278,21 @@ def _zero3(ours: _Ours, out: str, world: int, dtype: torch.dtype, prefix: str, s
                "optimizer_state_dict": {"state": opt_state, "param_groups": [_hyper_group(ours, [i])
                                                                          for i in range(len(groups))]},
                "fp32_flat_groups": flats[WEIGHT]}
-        _save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
+        save_pt({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": version},
                    os.path.join(out, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-        _save(_model_states(ours, world, 3, dtype, True, shapes), os.path.join(out, Z3_MODEL.format(r)))
-
-
-def _save(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` in a private folder beside ``path``, then moved onto it (never through a
-    link planted at ``path``; the archive keeps the file's own name inside)."""
-    with replacing(path, sync=False) as staged:
-        torch.save(obj, staged)
+        save_pt(_model_states(ours, world, 3, dtype, True, shapes), os.path.join(out, Z3_MODEL.format(r)))
 
 
 def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: Optional[str] = None,
                      out_tag: Optional[str] = None, dtype: Optional[str] = None,
-                     sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None) -> str:
+                     sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None,
+                     ep_size: Optional[int] = None) -> str:
     """Write our checkpoint ``load_dir/tag`` as DeepSpeed's ZeRO-``stage`` checkpoint of ``world`` data-parallel
     ranks under ``save_dir/out_tag`` (default: the same tag), then ``save_dir/latest``. ``dtype``: the
     training dtype DeepSpeed will run in (default: the one saved). ``ds_config``: the DeepSpeed config it
     will run with (its ``fp16`` loss-scale settings and ZeRO-3 ``sub_group_size`` shape the files; default:
-    DeepSpeed's defaults). Returns the tag directory."""
+    DeepSpeed's defaults). ``ep_size``: the expert-parallel size of the MoE layers DeepSpeed will run (default:
+    the one saved; MoE layers export at ZeRO 1-2). Returns the tag directory."""
     if stage not in (0, 1, 2, 3) or world < 1:
         raise CheckpointError(f"export to DeepSpeed: stage must be 0-3 and world at least 1 (got {stage}, {world})")
     ours = _Ours(load_dir, tag)
@@ -294,6 +306,10 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     if stage == 0 and tdtype != torch.float32:
         raise CheckpointError("export to DeepSpeed at ZeRO 0 is for fp32 runs (DeepSpeed's ZeRO-0 bf16/fp16 "
                               "optimizers keep other layouts): pick stage 1-3")
+    plan = expert_plan(ours.meta, ours.trained, world, ep_size)
+    if plan is not None and stage not in (1, 2):
+        raise CheckpointError(f"export to DeepSpeed: a model with MoE layers exports at ZeRO stage 1 or 2 (DeepSpeed's "
+                              f"native MoE runs at 0-2, and its ZeRO-0 MoE files are not written here); got {stage}")
     out_tag = out_tag or os.path.basename(ours.path)
     out = os.path.join(save_dir, out_tag)
     os.makedirs(out, exist_ok=True)
@@ -304,7 +320,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     if stage == 0:
         _zero0(ours, out, world)
     elif stage < 3:
-        _zero12(ours, out, world, stage, tdtype, prefix)
+        _zero12(ours, out, world, stage, tdtype, prefix, plan)
     else:
         _zero3(ours, out, world, tdtype, prefix, sub_group_size)
     write_bytes_atomic(os.path.join(save_dir, "latest"), out_tag.encode())

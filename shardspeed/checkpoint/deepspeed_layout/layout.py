@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
 
 from ...errors import CheckpointError
+from ...utils.safe_files import replacing
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,10 @@ def zero3_frozen_spans(params: Sequence[Tuple[str, int]], world: int) -> List[Sp
             if lo < hi:
                 out.append(Span(name, lo, hi, r, 0, 0))
     return out
+
+
+def save_pt(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` in a private folder beside ``path``, then moved onto it (never through a
+    link planted at ``path``; the archive keeps the file's own name inside, as DeepSpeed's files do)."""
+    with replacing(path, sync=False) as staged:
+        torch.save(obj, staged)

@@ -28,7 +28,7 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "autoep_layers",
-           "param_alignment_paddings"}
+           "param_alignment_paddings", "num_experts", "ds_autoep_layers"}
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 #: a torch optimizer group's keys that choose its implementation, not the math: each side keeps its own
 IMPL_KEYS = ("params", "param_names", "fused", "foreach", "capturable", "differentiable")
@@ -70,11 +70,12 @@ def optim_files(path: str) -> Dict[int, str]:
 
 
 def refuse_model_parallel(path: str) -> None:
-    for pattern in ("mp_rank_0[1-9]*_model_states.pt", "layer_*-model_*states.pt", "*expert_*_model_states.pt"):
+    for pattern in ("mp_rank_0[1-9]*_model_states.pt", "layer_*-model_*states.pt", "expert_*_model_states.pt"):
         hits = glob.glob(os.path.join(glob.escape(path), pattern))
         if hits:
-            raise CheckpointError(f"DeepSpeed checkpoint file {hits[0]}: tensor-parallel, pipeline or expert "
-                                  f"checkpoints are not read by this shardspeed (only data parallel ZeRO 0-3)")
+            raise CheckpointError(f"DeepSpeed checkpoint file {hits[0]}: tensor-parallel, pipeline or old-style expert "
+                                  f"checkpoints are not read by this shardspeed (data parallel ZeRO 0-3, and MoE "
+                                  f"layers at ZeRO 1-2 saved per layer)")
 
 
 def _shape(s: Any, file: str, name: str) -> List[int]:

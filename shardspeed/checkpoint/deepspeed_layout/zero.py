@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...errors import CheckpointError
 from ..metadata import WEIGHT, Entry, TensorInfo
 from .layout import zero3_frozen_spans, zero3_spans, zero12_spans
+from .moe import is_moe_checkpoint, moe_spans, refuse_unsupported
 from .pickles import PtReader, field, is_tensor, key_of, stage_of
 from .source import (
     ADAM_STATES,
@@ -47,13 +48,19 @@ def _rank_files(path: str, world: int, first: str) -> Dict[int, str]:
     return files
 
 
-def _world(osd: Dict[str, Any], file: str) -> int:
+def _counts(osd: Dict[str, Any], file: str) -> List[int]:
     count = field(osd, ("partition_count",), file)
-    counts = count if isinstance(count, (list, tuple)) else [count]
-    if len(set(int(c) for c in counts)) != 1:
-        raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'partition_count' is {count}; groups "
-                              f"partitioned over different ranks (experts) are not read by this shardspeed")
-    return int(counts[0])
+    return [int(c) for c in (count if isinstance(count, (list, tuple)) else [count])]
+
+
+def _world(osd: Dict[str, Any], file: str, moe: bool = False) -> int:
+    """The data ranks that saved: every group's ``partition_count``; with MoE layers the largest (expert
+    groups are partitioned over the fewer ranks that hold the same experts)."""
+    counts = _counts(osd, file)
+    if len(set(counts)) != 1 and not moe:
+        raise CheckpointError(f"DeepSpeed checkpoint file {file}: field 'partition_count' is {counts}; groups "
+                              f"partitioned over different ranks are read only from models with MoE layers")
+    return max(counts)
 
 
 def _zero0_names(ms: Dict[str, Any], groups: List[Dict[str, Any]], trainable: Optional[Sequence[Sequence[str]]],
@@ -147,7 +154,8 @@ def g_index(groups: List[Dict[str, Any]], idx: int) -> int:
     raise CheckpointError(f"internal error: optimizer parameter {idx} is in no group")
 
 
-def _optimizer_files(path: str, reader: PtReader, why: str) -> Tuple[str, Dict[str, Any], int, Dict[int, str]]:
+def _optimizer_files(path: str, reader: PtReader, why: str,
+                     moe: bool = False) -> Tuple[str, Dict[str, Any], int, Dict[int, str]]:
     """Rank 0's optimizer file (its name, its ``optimizer_state_dict``), the world it was saved at, and every
     rank's file; a missing rank-0 file is a CheckpointError ending with ``why`` it must exist."""
     files0 = optim_files(path)
@@ -156,15 +164,18 @@ def _optimizer_files(path: str, reader: PtReader, why: str) -> Tuple[str, Dict[s
                               f" is missing: {why}")
     first = files0[0]
     osd0 = field(reader.obj(first), (OSD,), os.path.join(path, first))
-    world = _world(osd0, os.path.join(path, first))
+    world = _world(osd0, os.path.join(path, first), moe)
     return first, osd0, world, _rank_files(path, world, first)
 
 
 def read_zero12(path: str, tag: str, ms: Dict[str, Any], reader: PtReader) -> DeepSpeedSource:
     """ZeRO 1-2: ``single_partition_of_fp32_groups[g]`` and the base optimizer's state ``g`` per rank."""
     model_file = os.path.join(path, MODEL_FILE)
+    moe = is_moe_checkpoint(ms)
+    if moe:
+        refuse_unsupported(path, ms, model_file)
     first, osd0, world, files = _optimizer_files(path, reader, f"field 'optimizer' of {model_file} says the "
-                                                               f"optimizer is ZeRO's")
+                                                               f"optimizer is ZeRO's", moe)
     shapes = param_shapes(ms, model_file)
     groups = [[(n, numel(s)) for n, s in g] for g in shapes]
     parts: List[List[Tuple[int, int]]] = [[] for _ in groups]
@@ -181,7 +192,12 @@ def read_zero12(path: str, tag: str, ms: Dict[str, Any], reader: PtReader) -> De
             parts[g].append((int(t.numel()), int(t.numel()) + int(p)))
         bases.append(field(osd, ("base_optimizer_state",), where))
     try:
-        spans = zero12_spans(groups, osd0.get("param_alignment_paddings"), parts)
+        if moe:
+            spans, shapes = moe_spans(shapes, osd0.get("param_alignment_paddings"), parts,
+                                      _counts(osd0, os.path.join(path, first)), world, ms["num_experts"], model_file)
+            groups = [[(n, numel(s)) for n, s in g] for g in shapes]  # expert parameters stacked, as ours
+        else:
+            spans = zero12_spans(groups, osd0.get("param_alignment_paddings"), parts)
     except CheckpointError as exc:
         raise CheckpointError(f"DeepSpeed checkpoint file {os.path.join(path, first)}: field "
                               f"'single_partition_of_fp32_groups': {exc}") from exc
