@@ -81,8 +81,9 @@ def test_bootstrap_error_wait_falls_back_with_its_line(monkeypatch, capsys):
 
 
 def _save_with_a_garbage_crash_variable(root: str):
-    import shardspeed
     from models import make_model
+
+    import shardspeed
 
     os.environ["SHARDSPEED_CKPT_CRASH"] = "after_files=garbage@nobody"  # once a test hook read by the package
     engine, *_ = shardspeed.initialize(model=make_model("mlp"), config={
