@@ -43,8 +43,6 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple  # noqa: E402
 
 #: Where the workers write their error records (set by ``shardspeed run``; unset: the bootstrap catches nothing).
 ERROR_DIR_ENV = "SHARDSPEED_ERROR_DIR"
-#: Seconds a worker that recorded an error waits for the node's other ranks to record theirs.
-ERROR_WAIT_ENV = "SHARDSPEED_ERROR_WAIT"
 TRACEBACK_LOG = "tracebacks.log"
 
 
