@@ -43,8 +43,6 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple  # noqa: E402
 
 #: Where the workers write their error records (set by ``shardspeed run``; unset: the bootstrap catches nothing).
 ERROR_DIR_ENV = "SHARDSPEED_ERROR_DIR"
-#: Seconds a worker that recorded an error waits for the node's other ranks to record theirs.
-ERROR_WAIT_ENV = "SHARDSPEED_ERROR_WAIT"
 TRACEBACK_LOG = "tracebacks.log"
 
 
@@ -117,6 +115,19 @@ def _wait_for_peers(error_dir: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _error_wait() -> float:
+    """``SHARDSPEED_ERROR_WAIT`` (the launcher has checked it; a bad value set by hand: its one line, then 3 s).
+    Only called once a ShardspeedError was caught, so importing shardspeed costs nothing here."""
+    from shardspeed.errors import ConfigError
+    from shardspeed.utils.env import error_wait_s
+
+    try:
+        return error_wait_s()
+    except ConfigError as e:
+        print(f"shardspeed: {e}; waiting 3 s", file=sys.stderr)
+        return 3.0
+
+
 def _run(argv: Sequence[str]) -> None:
     if argv and argv[0] == "--module":
         if len(argv) < 2:
@@ -151,11 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except OSError:  # nowhere to write it: show it as Python would
             _print_uncaught(e)
             sys.exit(1)
-        try:
-            timeout = float(os.environ.get(ERROR_WAIT_ENV, "3"))
-        except ValueError:
-            timeout = 3.0
-        _wait_for_peers(error_dir, timeout)
+        _wait_for_peers(error_dir, _error_wait())
         sys.exit(1)
 
 

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+import crash_hook
 import torch
 from distributed import run_distributed
 from models import make_batches, make_model, micro_batch
@@ -179,7 +180,7 @@ def _crash(d, spec):
     e = _engine(1)
     e.load_checkpoint(d)
     _train(e, 1)
-    os.environ["SHARDSPEED_CKPT_CRASH"] = spec
+    crash_hook.install(spec)
     e.save_checkpoint(d, tag="new", async_save=True)
     try:
         _train(e, 2)  # the peer may die during these steps (the training collectives fail) or after them

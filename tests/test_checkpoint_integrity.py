@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 
+import crash_hook
 import pytest
 import torch
 from distributed import run_distributed
@@ -225,7 +226,7 @@ def _killed_during_save(root: str):
     _train(engine, 1, seed=1)
     engine.save_checkpoint(root, tag="good")
     _train(engine, 1, seed=2)
-    os.environ["SHARDSPEED_CKPT_CRASH"] = "after_files@1"
+    crash_hook.install("after_files@1")
     try:
         engine.save_checkpoint(root, tag="bad")
     except DistributedError as exc:

@@ -2,7 +2,7 @@
 pointing at it (or at the new one, once fully committed).
 
 Each crash point is one world-2 group that loads the good checkpoint, trains a step and dies while saving
-(``SHARDSPEED_CKPT_CRASH``: a rank kills itself after N bytes of its file, or at a named point of the
+(``crash_hook.install``: a rank kills itself after N bytes of its file, or at a named point of the
 commit); one last group loads ``latest`` from every crashed directory and checks the weights.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import crash_hook
 import pytest
 import torch
 from distributed import run_distributed
@@ -60,7 +61,7 @@ def _crash(d, spec, tag):
     e = _engine()
     e.load_checkpoint(d)
     _train(e, 1)
-    os.environ["SHARDSPEED_CKPT_CRASH"] = spec
+    crash_hook.install(spec)
     e.save_checkpoint(d, tag="good" if tag == "same" else None)
     return "survived"
 

@@ -96,10 +96,11 @@ def _tb_series(directory: Path) -> Dict[str, List[tuple]]:
 def runs(tmp_path_factory):
     pytest.importorskip("tensorboard")
     root = tmp_path_factory.mktemp("monitor")
-    fp16 = _deepspeed_has_fp16()
+    ds_fp16 = _deepspeed_has_fp16()
+    fp16 = True if ds_fp16 is None else ds_fp16  # without DeepSpeed, ours alone trains in fp16 (a loss scale)
     ours = run_distributed(_train_shardspeed, 2, str(root / "ours"), fp16)
     ds_root = None
-    if fp16 is not None:
+    if ds_fp16 is not None:
         ds_root = root / "deepspeed"
         run_distributed(_train_deepspeed, 2, str(ds_root), fp16, timeout=300)
     return root / "ours", ds_root, ours

@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..config.secrets import mask_secrets
 from .model import Prediction
 from .space import Candidate
 
@@ -41,7 +42,8 @@ def write_experiment(results_dir: str, exps_dir: str, name: str, ds_config: Dict
     with open(os.path.join(exp_dir, "cmd.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
     with open(os.path.join(exps_dir, f"{name}.json"), "w") as f:
-        json.dump({"name": name, "ds_config": ds_config, "result_dir": exp_dir, "cmd": list(cmd)}, f, indent=2)
+        json.dump({"name": name, "ds_config": mask_secrets(ds_config), "result_dir": exp_dir, "cmd": list(cmd)}, f,
+                  indent=2)
     return exp_dir
 
 

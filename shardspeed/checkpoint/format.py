@@ -49,31 +49,25 @@ def tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-# ---- crash injection (tests) ---------------------------------------------------------------------------
-CRASH_ENV = "SHARDSPEED_CKPT_CRASH"
+# ---- test hook -----------------------------------------------------------------------------------------
+class CrashHook:
+    """Where a save may be interrupted: tests replace :data:`CRASH_HOOK` (``tests/crash_hook.py``) to kill the
+    process at a named point or after N bytes of its file. This one does nothing: production code reads no
+    switch for it."""
+
+    def at(self, point: str, rank: int) -> None:
+        """Called at the named point of a save (``after_files``, ``after_metadata``, ``after_rename``, ...)."""
+
+    def kill_after_bytes(self, rank: int) -> Optional[int]:
+        """How many bytes of its checkpoint file ``rank`` writes before it is killed; None: all of them."""
+        return None
 
 
-def crash_spec() -> Tuple[Optional[str], Optional[int], Optional[int]]:
-    """``SHARDSPEED_CKPT_CRASH="point[=N][@rank]"`` → (point, N, rank). Test-only: lets a test SIGKILL a
-    saving process at a named point (``bytes=N``: after writing N bytes of its own file)."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return None, None, None
-    rank = None
-    if "@" in spec:
-        spec, r = spec.split("@", 1)
-        rank = int(r)
-    n = None
-    if "=" in spec:
-        spec, v = spec.split("=", 1)
-        n = int(v)
-    return spec, n, rank
+CRASH_HOOK = CrashHook()
 
 
 def maybe_crash(point: str, rank: int) -> None:
-    name, _, who = crash_spec()
-    if name == point and (who is None or who == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+    CRASH_HOOK.at(point, rank)
 
 
 # ---- writing -------------------------------------------------------------------------------------------
@@ -181,8 +175,7 @@ def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, 
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    point, kill_at, who = crash_spec()
-    kill_at = kill_at if point == "bytes" and (who is None or who == rank) else None
+    kill_at = CRASH_HOOK.kill_after_bytes(rank)
     written = 0
     out = WrittenFile(0, 0)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+import uuid
 from typing import Sequence
 
 from .args import UsageError, build_torchrun_argv, canonical_option, take_flag, take_options, torchrun_option_arity
@@ -54,6 +56,27 @@ def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
+def _loopback_rendezvous(torchrun_argv: Sequence[str], rdzv_dir: str) -> list[str]:
+    """A single-node job that listens on nothing but loopback: ``--standalone`` (added when the user named no
+    rendezvous or master address) becomes torchrun's c10d rendezvous on a file store (in ``rdzv_dir``, a
+    folder of the user's alone) instead of a TCPStore listening on every interface, with ``--local-addr 127.0.0.1``
+    so that the workers' MASTER_ADDR is loopback; the store is not shared with the workers
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless set): rank 0 hosts it on 127.0.0.1 only
+    (:func:`shardspeed.mesh.init.loopback_store`). Left as it is where the user gave --rdzv-conf or --local-addr."""
+    args = list(torchrun_argv)
+    if not args or args[0] != "--standalone":
+        return args
+    arity, i = torchrun_option_arity(), 1
+    while i < len(args) and args[i].startswith("-"):
+        name, eq, _ = args[i].partition("=")
+        if canonical_option(name) in ("--rdzv-conf", "--local-addr"):
+            return args
+        i += 1 if eq or arity.get(name, 0) == 0 else 2
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", os.path.join(rdzv_dir, "rendezvous"), "--rdzv-conf",
+            "store_type=file", "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1", *args[1:]]
+
+
 def split_autotuning(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """``--autotuning tune|run`` (before the script) taken out of ``shardspeed run``'s arguments."""
     found, args = take_options(argv, ("--autotuning",))
@@ -79,9 +102,18 @@ def launch_command(argv: Sequence[str]) -> int:
     except UsageError as e:
         print(f"shardspeed run: error: {e}", file=sys.stderr)
         return 2
-    full_tracebacks = full_tracebacks or os.environ.get("SHARDSPEED_TRACEBACK", "") not in ("", "0")
+    from ..errors import ConfigError
+    from ..utils import env
+
+    try:
+        env.check_environment()  # once here, rather than in every worker
+    except ConfigError as e:
+        print(f"shardspeed run: error: {e}", file=sys.stderr)
+        return 2
+    full_tracebacks = full_tracebacks or env.full_tracebacks()
     _isolate_restarts(torchrun_argv)
-    return _launch(torchrun_argv, full_tracebacks)
+    with tempfile.TemporaryDirectory(prefix="shardspeed-rdzv-") as rdzv_dir:
+        return _launch(_loopback_rendezvous(torchrun_argv, rdzv_dir), full_tracebacks)
 
 
 def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
@@ -124,7 +156,6 @@ def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
     ranks it was raised on, and its tracebacks into a log file (see :mod:`shardspeed.bootstrap`)."""
     import logging
     import shutil
-    import tempfile
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main

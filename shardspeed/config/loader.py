@@ -29,6 +29,9 @@ _EXPECTED = {
 _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
            "less_than_equal": ("le", "<=")}
 _EXPECTED_BY_KEY = {"zero_optimization.stage": "0, 1, 2 or 3"}
+#: How deep a config may nest (DeepSpeed's are 3-4 levels) and the range of its integers.
+MAX_DEPTH = 64
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
 def load_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfig, None],
@@ -80,18 +83,29 @@ def parse_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfi
 
 
 def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    """Read a JSON config file; duplicate keys, a missing file or bad JSON raise `ConfigError`."""
+    """Read a JSON config file; a missing or unreadable file, bad JSON, duplicate keys, text that is not UTF-8,
+    or JSON nested too deeply for Python's parser raise `ConfigError`."""
     name = os.fspath(path)
+    if os.path.isdir(name):
+        raise ConfigError(f"config file '{name}' is a directory: give the path of a JSON file")
     if not os.path.isfile(name):
         raise ConfigError(f"config file '{name}' does not exist")
     try:
         with open(name, encoding="utf-8") as f:
-            data = json.load(f, object_pairs_hook=_reject_duplicates)
+            data = json.load(f, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file '{name}' is not valid JSON: {e.msg} at line {e.lineno}, "
                           f"column {e.colno}") from None
     except _DuplicateKey as e:
         raise ConfigError(f"config file '{name}' has the key '{e.args[0]}' twice in one object") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{name}' is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}; save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{name}' is nested too deeply for a config (at most {MAX_DEPTH} "
+                          "levels)") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{name}' cannot be read: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{name}' must hold a JSON object, not {type(data).__name__}")
     return data
@@ -99,6 +113,37 @@ def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
 class _DuplicateKey(Exception):
     pass
+
+
+class _LongNumber(str):
+    """A JSON integer too long to be a config value, kept as its text so that `check_shape` can name its key
+    (Python refuses to convert integers of more than 4300 digits, and none that long fits 64 bits)."""
+
+
+def _parse_int(text: str) -> Any:
+    return int(text) if len(text) <= 24 else _LongNumber(text)
+
+
+def check_shape(data: Dict[str, Any]) -> None:
+    """Refuse, naming the dotted key, a config nested more than `MAX_DEPTH` levels deep or holding an integer
+    outside the signed 64-bit range (no size, count or seed is larger; torch's sizes are int64). Iterative, so
+    a hostile depth cannot exhaust Python's stack."""
+    todo: List[Tuple[str, Any, int]] = [("", data, 0)]
+    while todo:
+        path, value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            shown = path if len(path) <= 80 else f"{path[:80]}..."
+            raise ConfigError(f"'{shown}' is nested more than {MAX_DEPTH} levels deep (a DeepSpeed config has "
+                              "3 or 4 levels)")
+        if isinstance(value, dict):
+            todo.extend((_join(path, str(k)), v, depth + 1) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            todo.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, _LongNumber) or (
+                isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]):
+            text = str(value)
+            shown = text if len(text) <= 40 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+            raise ConfigError(f"{path} = {shown} is out of range: it must be between -2**63 and 2**63 - 1")
 
 
 def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -112,6 +157,7 @@ def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
 
 def validate(data: Dict[str, Any]) -> ShardspeedConfig:
     """`ShardspeedConfig.model_validate` with pydantic's errors turned into one `ConfigError`."""
+    check_shape(data)
     try:
         return ShardspeedConfig.model_validate(data)
     except ValidationError as e:
@@ -137,9 +183,9 @@ def format_error(error: Mapping[str, Any]) -> str:
         return f"'{path}' is required"
     value = _show(error.get("input"))
     if path in _EXPECTED_BY_KEY and (kind in _BOUNDS or kind in _EXPECTED):
-        return f"{path} = {value} is invalid: it must be {_EXPECTED_BY_KEY[path]}"
+        return f"{path} = {value} is invalid: it must be {_EXPECTED_BY_KEY[path]}{_strict_hint(kind, error)}"
     if kind in _EXPECTED:
-        return f"{path} = {value} is invalid: it must be {_EXPECTED[kind]}"
+        return f"{path} = {value} is invalid: it must be {_EXPECTED[kind]}{_strict_hint(kind, error)}"
     if kind in _BOUNDS:
         bound_key, sign = _BOUNDS[kind]
         return f"{path} = {value} is invalid: it must be {sign} {ctx.get(bound_key)}"
@@ -148,6 +194,11 @@ def format_error(error: Mapping[str, Any]) -> str:
     if kind == "dtype":
         return f"{path} = {value} is invalid: it {msg}"
     return f"{path}: {msg}" if path else msg
+
+
+def _strict_hint(kind: str, error: Mapping[str, Any]) -> str:
+    """For a strict field given a string: say to write the number itself."""
+    return " (a JSON number, not a string)" if kind == "int_type" and isinstance(error.get("input"), str) else ""
 
 
 def _dotted(loc: Tuple[Any, ...]) -> str:
@@ -186,4 +237,4 @@ def _warn_ignored(model: BaseModel, path: str) -> None:
                            _join(path, name), _show(value))
 
 
-__all__ = ["load_config", "parse_config", "read_json", "validate", "format_error", "resolve_batch_sizes"]
+__all__ = ["load_config", "parse_config", "read_json", "validate", "check_shape", "format_error", "resolve_batch_sizes"]

@@ -18,6 +18,9 @@ _DTYPE_SPELLINGS = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
 }
 
+#: The largest ``fp16.initial_scale_power``: 2.0 ** 1024 overflows a Python float.
+MAX_SCALE_POWER = 1023
+
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -42,7 +45,8 @@ class FP16Config(ConfigModel):
     auto_cast: bool = field(False, "Cast floating-point inputs of the model's forward to fp16.")
     loss_scale: float = field(0.0, "Static loss scale; 0 selects dynamic loss scaling.", ge=0,
                               allow_inf_nan=False)
-    initial_scale_power: int = field(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0)
+    initial_scale_power: int = field(16, "Dynamic scaling starts at 2**initial_scale_power (at most 1023: "
+                                     "the scale must be a finite float).", ge=0, le=MAX_SCALE_POWER)
     loss_scale_window: int = field(1000, "Steps without overflow before the dynamic scale is doubled.", ge=1)
     hysteresis: int = field(2, "Overflows tolerated (delayed shift) before the dynamic scale is halved.", ge=1)
     consecutive_hysteresis: bool = field(

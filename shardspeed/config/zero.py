@@ -82,7 +82,8 @@ class ZeroConfig(ConfigModel):
                "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save"}
 
     stage: int = field(0, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; "
-                       "3: also parameters.", ge=0, le=3)
+                       "3: also parameters. A JSON number (\"2\" is refused); \"auto\" means 0, as in "
+                       "DeepSpeed.", ge=0, le=3, strict=True, auto=AUTO_DEFAULT)
     contiguous_gradients: bool = field(True, "Copy gradients into a contiguous buffer as they are produced.")
     reduce_scatter: bool = field(True, "Average gradients with reduce-scatter rather than all-reduce.")
     reduce_bucket_size: int = field(500_000_000, "Elements reduced at a time (gradient bucket size).", gt=0,

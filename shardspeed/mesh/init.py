@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import time
@@ -11,16 +12,41 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
+from ..utils.env import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S, collective_timeout_s
+
 logger = logging.getLogger(__name__)
 
-#: Seconds a collective may wait before every rank fails with an error (a dead or diverged rank).
-DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDSPEED_TIMEOUT", "600"))
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+def loopback_store(port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore on 127.0.0.1 whose server (on the master) listens on loopback only: torch's server binds every
+    interface when it opens the port itself, so the master opens a socket bound to 127.0.0.1 and hands it over
+    (``master_listen_fd``; libuv's server takes one from torch 2.8, the older server before). ``port`` 0: any."""
+    if not is_master:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(max(world_size, 128))
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store's server owns the socket from here
+    except OSError:
+        sock.close()
+        raise
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=_torch_at_least(2, 8))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def default_backend() -> str:
@@ -36,23 +62,42 @@ def init_distributed(
     """Create the default process group if there is none.
 
     Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Without them
-    (plain ``python train.py``) a one-process group on loopback is created so the same code path runs.
+    (plain ``python train.py``) a one-process group is created so the same code path runs, its store listening
+    on 127.0.0.1 only. With MASTER_ADDR on loopback and no store shared by torchrun's agent, rank 0's store
+    listens on 127.0.0.1 only too (:func:`loopback_store`).
     ``timeout`` (seconds, default ``SHARDSPEED_TIMEOUT`` or 600) bounds every collective: a rank that
     died or took another path makes the others fail instead of hanging.
     """
     if dist.is_initialized():
         return
     backend = backend or default_backend()
-    timeout_s = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    timeout_s = collective_timeout_s() if timeout is None else float(timeout)
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"init_distributed(timeout={timeout!r}) is invalid: it must be a finite number of "
+                          "seconds > 0")
     kwargs: Dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(init_method=init_method or "env://", **kwargs)
-    else:
-        method = init_method or f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(init_method=method, rank=0, world_size=1, **kwargs)
+        if init_method is None and _hosts_loopback_store():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            kwargs.update(rank=rank, world_size=world, store=loopback_store(
+                int(os.environ["MASTER_PORT"]), world, rank == 0, kwargs["timeout"]))
+        else:
+            kwargs["init_method"] = init_method or "env://"
+        dist.init_process_group(**kwargs)
+    elif init_method is not None:
+        dist.init_process_group(init_method=init_method, rank=0, world_size=1, **kwargs)
+    else:  # plain `python train.py`: a store nothing outside this machine can reach
+        dist.init_process_group(store=loopback_store(0, 1, True, kwargs["timeout"]), rank=0, world_size=1, **kwargs)
     logger.info("initialised %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def _hosts_loopback_store() -> bool:
+    """Whether this job's ranks build their own store on a loopback MASTER_ADDR (``shardspeed run`` on one node
+    gives 127.0.0.1), so that rank 0's server listens on loopback only; not when torchrun shares its agent's."""
+    return (os.environ.get("MASTER_ADDR", "") in _LOOPBACK and os.environ.get("MASTER_PORT", "").isdigit()
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
 
 
 def group_timeout(group: Optional[dist.ProcessGroup] = None) -> datetime.timedelta:
@@ -60,7 +105,7 @@ def group_timeout(group: Optional[dist.ProcessGroup] = None) -> datetime.timedel
 
     Every group shardspeed creates is given the world group's, the one :func:`init_distributed` set
     (``timeout``, else ``SHARDSPEED_TIMEOUT``), or the one the user's own ``init_process_group`` chose;
-    torch's default for a new group would be 30 minutes. ``DEFAULT_TIMEOUT_S`` if torch does not say."""
+    torch's default for a new group would be 30 minutes. ``SHARDSPEED_TIMEOUT`` (or 600) if torch does not say."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     for device in getattr(pg, "_device_types", ()):
         try:
@@ -69,7 +114,7 @@ def group_timeout(group: Optional[dist.ProcessGroup] = None) -> datetime.timedel
             continue
         if isinstance(timeout, datetime.timedelta):
             return timeout
-    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    return datetime.timedelta(seconds=collective_timeout_s())
 
 
 def new_group(ranks: Sequence[int], desc: Optional[str] = None) -> dist.ProcessGroup:

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import ConfigError, ShardspeedError
 from ..utils.direct_io import ALIGN, aligned_empty, aligned_size
+from ..utils.env import VERIFY_SWAP_ENV as VERIFY_SWAP_ENV, verify_swap
 from .swap_dirs import (
     SwapDir as SwapDir,
     check_nvme_path as check_nvme_path,
@@ -66,12 +67,10 @@ _FP32 = 4
 
 #: The environment variable that, set to ``0``, makes new NVMe stores and parameter files skip verifying what
 #: they read back (an internal switch, not a config key: ``benchmarks/bench_nvme_checksum.py`` sets it to
-#: measure what the checksums cost). Read at construction; nothing module-level changes.
-VERIFY_SWAP_ENV = "SHARDSPEED_VERIFY_SWAP"
-
-
+#: measure what the checksums cost): ``VERIFY_SWAP_ENV``, read at construction by this, which refuses any value
+#: but a flag with a one-line ConfigError.
 def verify_swap_default() -> bool:
-    return os.environ.get(VERIFY_SWAP_ENV, "1") != "0"
+    return verify_swap()
 
 
 class TileState(NamedTuple):

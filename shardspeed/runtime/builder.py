@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -14,6 +15,7 @@ from ..checkpointing import configure_from_plan
 from ..comm.collectives import Collectives, CommsLogger
 from ..comm.quantize import BlockCodec
 from ..config import ShardspeedConfig, load_config, parse_config
+from ..config.secrets import mask_secrets
 from ..errors import ConfigError
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
@@ -208,7 +210,7 @@ def build_engine(
         check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
     ds_groups.set_topology(topo)
     if cfg.dump_state and engine.global_rank == 0:
-        logger.info("shardspeed config:\n%s", cfg.model_dump_json(indent=2))
+        logger.info("shardspeed config:\n%s", json.dumps(mask_secrets(cfg.model_dump(mode="json")), indent=2))
     return engine
 
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ...config.secrets import mask_secrets
 from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import read_latest, resolve
@@ -149,7 +150,7 @@ def _model_states(ours: _Ours, world: int, stage: int, dtype: torch.dtype, place
         "skipped_steps": int(counters.get("skipped_steps", 0)), "global_steps": int(counters.get("global_steps", 0)),
         "global_samples": int(counters.get("global_samples", 0)), "dp_world_size": world, "mp_world_size": 1,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        "ds_config": ours.ds_config or {"zero_optimization": {"stage": stage}}, "ds_version": version}
+        "ds_config": mask_secrets(ours.ds_config) or {"zero_optimization": {"stage": stage}}, "ds_version": version}
     sd.update(ours.common.get("client_state") or {})
     return sd
 
