@@ -305,3 +305,25 @@ def test_cli_end_to_end(runs, tmp_path):
         "shardspeed convert: error: --tag names an invalid checkpoint tag '../proj': use a plain directory name "
         "such as 'global_step100' (no '/', '..', whitespace at either end or control characters)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_tag_rules(tmp_path):
+    """The one check every tag passes through: plain names pass unchanged, the rest are refused."""
+    from shardspeed.checkpoint.commit import check_tag, read_latest
+    from shardspeed.errors import CheckpointError
+
+    for tag in ("global_step100", "run-1.final", "été", "a b"):
+        assert check_tag(tag) == tag
+    for tag in ("", " ", "\n", "\t", ".", "..", "../x", "/abs", "a/b", "latest", "x.tmp-1", "x.old-1", " x",
+                "x\n", "a\x00b", "a\x1bb"):
+        with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
+            check_tag(tag)
+    (tmp_path / "latest").write_text("global_step7\n")
+    assert read_latest(str(tmp_path)) == "global_step7"  # stripped, as DeepSpeed reads it
+    for text in ("", "\n", "../x\n"):
+        (tmp_path / "latest").write_text(text)
+        with pytest.raises(CheckpointError, match="latest names an invalid checkpoint tag"):
+            read_latest(str(tmp_path))
+    (tmp_path / "latest").write_bytes(b"x" * 5000)
+    with pytest.raises(CheckpointError, match="over 4096 bytes"):
+        read_latest(str(tmp_path))

@@ -316,6 +316,7 @@ class ShardReader:
         self.header_crc32 = dict(header_crc32 or {})
         self._headers: Dict[str, Tuple[int, dict]] = {}
         self._paths: Dict[str, str] = {}
+        self._infos: Dict[Tuple[str, str], Tuple[str, int, int, List[int], torch.dtype]] = {}  # checked entries
 
     def _path(self, file: str) -> str:
         """The file's real path, confined to the checkpoint directory (:func:`confined_path`; once per file)."""
@@ -385,6 +386,9 @@ class ShardReader:
 
     def _info(self, file: str, key: str) -> Tuple[str, int, int, List[int], torch.dtype]:
         """(path, absolute start, end, shape, dtype) of tensor ``key``; raises on a malformed header entry."""
+        got = self._infos.get((file, key))
+        if got is not None:
+            return got
         base, header = self._header(file)
         path = self._path(file)
         info = header.get(key)
@@ -396,9 +400,10 @@ class ShardReader:
             shape = [int(d) for d in info["shape"]]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry") from None
-        if lo < 0 or min(shape, default=0) < 0 or hi - lo != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+        if lo < 0 or min(shape, default=0) < 0 or hi - lo != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
-        return path, base + lo, base + hi, shape, dtype
+        got = self._infos[(file, key)] = (path, base + lo, base + hi, shape, dtype)
+        return got
 
     def stored(self, file: str, key: str) -> Tuple[List[int], torch.dtype]:
         """(shape, dtype) of tensor ``key`` as its file's header gives them (checked, nothing read but the header)."""
@@ -434,3 +439,4 @@ class ShardReader:
     def close(self) -> None:
         self._headers.clear()
         self._paths.clear()
+        self._infos.clear()

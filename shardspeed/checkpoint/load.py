@@ -17,6 +17,7 @@ from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader, crc32
 from .metadata import (
     COMMON_FILE,
+    FORMAT,
     WEIGHT,
     CheckpointMetadata,
     Entry,
@@ -307,7 +308,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
         rec = meta.rng.get(str(view.rank)) or {}
         for k, crc in rec.get("tensors", {}).items():
             needed[(rank_file(view.rank), k)] = crc
-    if isinstance(reader, ShardReader):  # ours (DeepSpeed's entries come from its own files' layout)
+    if meta.format == FORMAT:  # ours (DeepSpeed's entries are built from its files' own layout)
         check_stored(reader, list(used.values()), meta.tensors)
     for (file, key), crc in sorted(needed.items()):
         reader.check(file, key, crc)

@@ -360,11 +360,14 @@ def check_table(meta: CheckpointMetadata, where: str) -> None:
     if total > held:
         raise CheckpointError(f"{where}: its tensors have {total} elements but its files hold {held} bytes; the "
                               f"metadata is corrupt or crafted")
+    numel = {name: t.numel for name, t in meta.tensors.items()}
     for e in meta.entries:
-        info = meta.tensors.get(e.tensor)
-        if info is None:
+        n = numel.get(e.tensor)
+        if n is None:
             continue
-        n = math.prod(local_shape(info.shape, _checked_spec(e, info.shape, where)))
+        if e.tp is not None:
+            shape = meta.tensors[e.tensor].shape
+            n = math.prod(local_shape(shape, _checked_spec(e, shape, where)))
         if not 0 <= e.start <= e.end <= n:
             raise CheckpointError(f"{where}: entry {e.tensor!r} ({e.state or 'weights'}) covers [{e.start}, "
                                   f"{e.end}) of a tensor of {n} elements; the metadata is corrupt or crafted")
@@ -387,23 +390,23 @@ def check_stored(reader: ShardReader, entries: Sequence[Entry], tensors: Mapping
     are read): an elementwise entry's stored tensor has exactly ``end - start`` elements, Adam's ``step``
     is one number, and a weight's stored dtype is of its tensor's kind (floating point, or exactly its
     dtype). So nothing is broadcast, cut short or refused half-way through a load or an export."""
+    def what(e: Entry) -> str:
+        return f"checkpoint {reader.root}: entry {e.tensor!r} ({e.state or 'weights'}) [{e.start}, {e.end})"
+
     for e in entries:
         if not e.file:
             continue
         shape, dtype = reader.stored(e.file, e.key)
         n = math.prod(shape)
-        what = f"checkpoint {reader.root}: entry {e.tensor!r} ({e.state or 'weights'}) [{e.start}, {e.end})"
         if (e.elementwise and n != e.end - e.start) or (e.state == "step" and not e.elementwise and n != 1):
-            raise CheckpointError(f"{what} names tensor {e.key!r} of {e.file}, which holds {n} element(s); the "
+            raise CheckpointError(f"{what(e)} names tensor {e.key!r} of {e.file}, which holds {n} element(s); the "
                                   f"metadata does not match the file (corrupt or crafted)")
-        info = tensors.get(e.tensor)
-        if info is None or e.state != WEIGHT:
-            continue
-        want = NAME_TO_DTYPE.get(info.dtype)
-        if want is not None and (want.is_floating_point != dtype.is_floating_point
-                                 or (not want.is_floating_point and want != dtype)):
-            raise CheckpointError(f"{what} names tensor {e.key!r} of {e.file}, stored as {dtype}, for a tensor of "
-                                  f"dtype {info.dtype}; the metadata does not match the file (corrupt or crafted)")
+        info = tensors.get(e.tensor) if e.state == WEIGHT else None
+        want = NAME_TO_DTYPE.get(info.dtype) if info is not None else None
+        if want is not None and want != dtype and (want.is_floating_point != dtype.is_floating_point
+                                                   or not want.is_floating_point):
+            raise CheckpointError(f"{what(e)} names tensor {e.key!r} of {e.file}, stored as {dtype}, for a tensor "
+                                  f"of dtype {want}; the metadata does not match the file (corrupt or crafted)")
 
 
 class EntryIndex:
