@@ -29,6 +29,28 @@ if TYPE_CHECKING:
     from .save_lock import SaveLock
 
 LATEST = "latest"
+#: the most bytes read from a ``latest`` file (a tag is one directory name: at most 255 bytes on Linux)
+LATEST_MAX_BYTES = 4096
+
+
+def check_tag(tag: object, where: str = "") -> str:
+    """``tag`` as a string when it is a plain directory name inside the save directory; raises a one-line
+    :class:`CheckpointError` otherwise. The one check for every tag, whether given (``save_checkpoint``,
+    ``load_checkpoint(tag=)``, ``convert --tag/--out-tag``, ``consolidate --tag``) or read (``latest``):
+    no path separator, not ``.``/``..``/empty (so ``{dir}/{tag}`` stays in ``{dir}``), none of the suffixes
+    a save uses for its temporary and moved-aside copies, not ``latest``, and no control characters or
+    leading/trailing whitespace (``latest`` is stripped when read, by us as by DeepSpeed, so such a tag
+    could never be found again). ``where``: what the tag came from, for the message."""
+    tag = str(tag)
+    bad = (not tag or tag in (".", "..", LATEST) or os.sep in tag or "/" in tag
+           or (os.altsep is not None and os.altsep in tag) or ".tmp-" in tag or ".old-" in tag
+           or tag != tag.strip() or any(ord(c) < 32 or ord(c) == 127 for c in tag))
+    if bad:
+        src = f"{where} names an" if where else "an"
+        raise CheckpointError(f"{src} invalid checkpoint tag {tag!r}: use a plain "
+                              f"directory name such as 'global_step100' (no '/', '..', whitespace at either end "
+                              f"or control characters)")
+    return tag
 
 
 def new_temp_dir(save_dir: str, tag: str) -> str:
@@ -69,17 +91,26 @@ def commit(save_dir: str, tmp_dir: str, tag: str, save_latest: bool) -> str:
 
 
 def read_latest(load_dir: str) -> Optional[str]:
+    """The tag ``{load_dir}/latest`` names (checked by :func:`check_tag`), or None when there is no such file."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        tag = f.read().strip()
-    return tag or None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(LATEST_MAX_BYTES + 1)
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read as a tag ({exc}); pass the tag explicitly") from None
+    if len(raw) > LATEST_MAX_BYTES:
+        raise CheckpointError(f"{path} is over {LATEST_MAX_BYTES} bytes: it names no checkpoint tag; pass the tag "
+                              f"explicitly")
+    return check_tag(text.strip(), where=path)
 
 
 def resolve(load_dir: str, tag: str) -> str:
     """The directory holding committed checkpoint ``tag``: ``{tag}``, or a complete ``{tag}.old-*`` left by a
-    save that was killed between its two renames."""
+    save that was killed between its two renames. ``tag`` must pass :func:`check_tag`."""
+    tag = check_tag(tag)
     final = os.path.join(load_dir, tag)
     if os.path.isfile(os.path.join(final, METADATA_FILE)):
         return final

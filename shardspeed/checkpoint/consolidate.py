@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..utils.safe_files import replacing
 from .commit import read_latest, resolve
 from .format import NAME_TO_DTYPE, LazyTensor, ShardReader, fsync_dir, write_bytes_atomic, write_safetensors
-from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, check_stored, entries_for, read_range
 
 logger = logging.getLogger("shardspeed")
 
@@ -60,6 +60,19 @@ def _out_dtype(stored: torch.dtype) -> torch.dtype:
     return torch.float32 if stored.is_floating_point else stored
 
 
+def _check_before_writing(meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader, path: str) -> None:
+    """Everything the export will read, before its first byte is written: every alias names a stored tensor,
+    every tensor's weights are covered by entries whose stored tensors (their files' headers) match them in
+    length and dtype (:func:`~.metadata.check_stored`); with ``check_files``' bound on the tensor table, the
+    output is no larger than what the checkpoint holds (in fp32)."""
+    for alias, src in sorted(meta.aliases.items()):
+        if src not in meta.tensors:
+            raise CheckpointError(f"{os.path.join(path, METADATA_FILE)}: the tied name {alias!r} points at {src!r}, "
+                                  f"which is not a saved tensor; the metadata is corrupt or crafted")
+    for name, info in meta.tensors.items():
+        check_stored(reader, entries_for(index, name, WEIGHT, 0, info.numel), meta.tensors)
+
+
 def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shard_size: Union[int, str] = "5GB",
                 verify: bool = True) -> List[str]:
     """Write the checkpoint's model as fp32 safetensors in ``out_dir``; returns the files written."""
@@ -69,6 +82,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     limit = parse_size(max_shard_size)
     reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
     index = EntryIndex(meta.entries, meta.shapes)  # shapes: tensor-parallel slices map into full tensors
+    _check_before_writing(meta, index, reader, path)
 
     # every output name: the stored tensors, then tied names (a copy each: safetensors cannot alias)
     names: List[Tuple[str, str]] = [(n, n) for n in meta.tensors] + sorted(meta.aliases.items())
@@ -150,7 +164,7 @@ def run_args(args: argparse.Namespace) -> int:
     try:
         files = consolidate(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size,
                             verify=not args.no_verify)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"shardspeed consolidate: error: {exc}", file=sys.stderr)
         return 1
     for f in files:

@@ -13,7 +13,7 @@ import os
 import signal
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -255,6 +255,29 @@ def write_file_synced(path: str, data: bytes) -> int:
 ST_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain file name: a non-empty string with no path separator or NUL, not ``.`` or
+    ``..`` (so it is not absolute either, and ``{dir}/{name}`` names a file directly in ``dir``)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+            and (os.altsep is None or os.altsep not in name) and "\0" not in name)
+
+
+def confined_path(root: str, name: object, where: str) -> str:
+    """The real path of checkpoint file ``name`` of the directory ``root``: a plain name, and (symlinks
+    resolved) a file directly in that directory; raises a one-line :class:`CheckpointError` otherwise.
+    ``where``: what named the file (the metadata), for the message."""
+    if not is_plain_name(name):
+        raise CheckpointError(f"{where} names the file {name!r}: only plain file names inside the checkpoint "
+                              f"directory are read (no '/', '..' or absolute path); the metadata is corrupt or "
+                              f"crafted")
+    assert isinstance(name, str)
+    real = os.path.realpath(os.path.join(root, name))
+    if os.path.dirname(real) != os.path.realpath(root):
+        raise CheckpointError(f"{where} names the file {name!r}, a link to {real} outside the checkpoint directory "
+                              f"{root}: refused (copy the file into the directory instead)")
+    return real
+
+
 class ShardReader:
     """Read whole tensors from the safetensors files of one checkpoint, checking their CRC.
 
@@ -273,11 +296,20 @@ class ShardReader:
         self.verify = verify
         self.header_crc32 = dict(header_crc32 or {})
         self._headers: Dict[str, Tuple[int, dict]] = {}
+        self._paths: Dict[str, str] = {}
+        self._infos: Dict[Tuple[str, str], Tuple[str, int, int, List[int], torch.dtype]] = {}  # checked entries
+
+    def _path(self, file: str) -> str:
+        """The file's real path, confined to the checkpoint directory (:func:`confined_path`; once per file)."""
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = confined_path(self.root, file, f"checkpoint {self.root}")
+        return path
 
     def _header(self, file: str) -> Tuple[int, dict]:
         h = self._headers.get(file)
         if h is None:
-            path = os.path.join(self.root, file)
+            path = self._path(file)
             try:
                 with open(path, "rb") as f:
                     raw = f.read(8)
@@ -299,7 +331,7 @@ class ShardReader:
                         raise ValueError("the header is not a JSON object")
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint file {path} is missing") from None
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise CheckpointError(f"checkpoint file {path} cannot be read ({exc}); it is truncated or corrupt") from exc
             h = (8 + n, header)
             self._headers[file] = h
@@ -308,26 +340,21 @@ class ShardReader:
     def read(self, file: str, key: str, crc: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor ``key``; with ``out`` (a contiguous CPU tensor of its dtype and size), read into it in
         place (no temporary)."""
-        path = os.path.join(self.root, file)
-        base, header = self._header(file)
-        info = header.get(key)
-        if info is None:
-            raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
-        lo, hi = info["data_offsets"]
+        path, start, end, shape, dtype = self._info(file, key)
         if out is not None:
             t = out
-            if t.dtype != ST_TO_DTYPE[info["dtype"]] or t.numel() != math.prod(info["shape"]):
+            if t.dtype != dtype or t.numel() != math.prod(shape):
                 raise CheckpointError(f"internal error: reading {key!r} of {path} into a {t.dtype}{list(t.shape)}")
         else:
-            t = torch.empty(info["shape"], dtype=ST_TO_DTYPE[info["dtype"]])
+            t = torch.empty(shape, dtype=dtype)
         buf = tensor_bytes(t) if t.numel() else None
-        if buf is not None and len(buf) != hi - lo:
+        if buf is not None and len(buf) != end - start:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
         if buf is not None:
             with open(path, "rb") as f:
-                f.seek(base + lo)
+                f.seek(start)
                 got = f.readinto(memoryview(buf))
-            if got != hi - lo:
+            if got != end - start:
                 raise CheckpointError(f"checkpoint file {path}: tensor {key!r} is cut short; the file is truncated")
         if self.verify and crc is not None:
             got_crc = crc32(buf) if buf is not None else 0
@@ -338,22 +365,31 @@ class ShardReader:
                 )
         return t
 
-    def _info(self, file: str, key: str) -> Tuple[str, int, int, int, torch.dtype]:
-        """(path, absolute start, end, numel, dtype) of tensor ``key``; raises on a malformed header entry."""
-        path = os.path.join(self.root, file)
+    def _info(self, file: str, key: str) -> Tuple[str, int, int, List[int], torch.dtype]:
+        """(path, absolute start, end, shape, dtype) of tensor ``key``; raises on a malformed header entry."""
+        got = self._infos.get((file, key))
+        if got is not None:
+            return got
         base, header = self._header(file)
+        path = self._path(file)
         info = header.get(key)
         if info is None:
             raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
         try:
             lo, hi = (int(v) for v in info["data_offsets"])
             dtype = ST_TO_DTYPE[info["dtype"]]
-            numel = math.prod(int(d) for d in info["shape"])
+            shape = [int(d) for d in info["shape"]]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry") from None
-        if lo < 0 or hi - lo != numel * torch.empty((), dtype=dtype).element_size():
+        if lo < 0 or min(shape, default=0) < 0 or hi - lo != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has a malformed header entry")
-        return path, base + lo, base + hi, numel, dtype
+        got = self._infos[(file, key)] = (path, base + lo, base + hi, shape, dtype)
+        return got
+
+    def stored(self, file: str, key: str) -> Tuple[List[int], torch.dtype]:
+        """(shape, dtype) of tensor ``key`` as its file's header gives them (checked, nothing read but the header)."""
+        _, _, _, shape, dtype = self._info(file, key)
+        return shape, dtype
 
     def check(self, file: str, key: str, crc: Optional[int] = None) -> None:
         """Verify tensor ``key`` without keeping it: its header entry, that its bytes are all there, and
@@ -379,10 +415,9 @@ class ShardReader:
             )
 
     def dtype_of(self, file: str, key: str) -> torch.dtype:
-        info = self._header(file)[1].get(key)
-        if info is None:
-            raise CheckpointError(f"checkpoint file {os.path.join(self.root, file)} has no tensor {key!r}")
-        return ST_TO_DTYPE[info["dtype"]]
+        return self.stored(file, key)[1]
 
     def close(self) -> None:
         self._headers.clear()
+        self._paths.clear()
+        self._infos.clear()

@@ -12,10 +12,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from .commit import read_latest, resolve
+from .commit import check_tag, read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader, crc32
-from .metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, entries_for, rank_file, read_range
+from .metadata import (
+    COMMON_FILE,
+    FORMAT,
+    WEIGHT,
+    CheckpointMetadata,
+    Entry,
+    EntryIndex,
+    check_stored,
+    entries_for,
+    rank_file,
+    read_range,
+)
 from .slices import Spec
 
 logger = logging.getLogger("shardspeed")
@@ -228,6 +239,7 @@ def _open(view: EngineView, load_dir: str, tag: str,
     layouts and its universal one), presented as ours (:mod:`.deepspeed_layout`)."""
     from .deepspeed_layout import is_deepspeed_dir, open_deepspeed
 
+    tag = check_tag(tag)  # before any path is built from it
     if is_deepspeed_dir(os.path.join(load_dir, tag)):  # the same answer on every rank (a shared directory)
         ds = open_deepspeed(load_dir, tag, trainable=_trained_by_group(view))
         assert ds is not None
@@ -249,10 +261,12 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     if with_optimizer:
         _check_optimizer_class(view, meta)
     needed: Dict[Tuple[str, str], Optional[int]] = {}
+    used: Dict[int, Entry] = {}  # the entries read, checked against their stored tensors
 
     def need_range(name: str, state: str, start: int, end: int) -> None:
         for e in entries_for(index, name, state, start, end, view.spec(name)):
             needed[(e.file, e.key)] = e.crc32
+            used[id(e)] = e
 
     if view.offloaded:
         for op in view.offloaded_pieces():
@@ -267,6 +281,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
             e = next((e for e in meta.entries if e.state == "step" and e.tensor in present), None)
             if e is not None and e.file:
                 needed[(e.file, e.key)] = e.crc32
+                used[id(e)] = e
     else:
         for pieces in view.pieces():
             for pc in pieces:
@@ -281,6 +296,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
                         need_range(pc.name, sk, pc.start, pc.end)
                     elif entries and entries[0].file:
                         needed[(entries[0].file, entries[0].key)] = entries[0].crc32
+                        used[id(entries[0])] = entries[0]
     for frozen in view.frozen_pieces():
         for name, start, end, _ in frozen:
             if name in present:
@@ -292,6 +308,8 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
         rec = meta.rng.get(str(view.rank)) or {}
         for k, crc in rec.get("tensors", {}).items():
             needed[(rank_file(view.rank), k)] = crc
+    if meta.format == FORMAT:  # ours (DeepSpeed's entries are built from its files' own layout)
+        check_stored(reader, list(used.values()), meta.tensors)
     for (file, key), crc in sorted(needed.items()):
         reader.check(file, key, crc)
     return _Verified(path, meta, index, reader, present, common)

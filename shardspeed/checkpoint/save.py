@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 import torch
 
 from ..errors import CheckpointError
-from .commit import commit, new_temp_dir, remove_stale
+from .commit import check_tag, commit, new_temp_dir, remove_stale
 from .engine_view import EngineView
 from .format import LazyTensor, dtype_name, fsync_dir, maybe_crash, write_file_synced, write_safetensors
 from .metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo, TensorInfo, rank_file
@@ -155,9 +155,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     saves = view.parts.async_saves
     if saves is not None:
         saves.wait(view.coord)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if not tag or os.sep in tag or tag in (".", "..") or ".tmp-" in tag or ".old-" in tag or tag == "latest":
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name such as 'global_step100'")
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.path.abspath(save_dir)
 
     # 1. rank 0 prepares the temporary directory; every rank learns its name (and that tags agree)

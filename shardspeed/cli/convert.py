@@ -30,16 +30,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from ..checkpoint.commit import read_latest
+    from ..checkpoint.commit import check_tag, read_latest
     from ..checkpoint.deepspeed_layout import is_deepspeed_dir
     from ..checkpoint.deepspeed_layout.export import export_deepspeed
     from ..checkpoint.deepspeed_layout.to_ours import import_deepspeed
     from ..errors import CheckpointError
 
     try:
-        tag = args.tag or read_latest(args.src)
+        tag = read_latest(args.src) if args.tag is None else check_tag(args.tag, where="--tag")
         if tag is None:
             raise CheckpointError(f"{args.src} has no 'latest' file; pass --tag")
+        if args.out_tag is not None:
+            check_tag(args.out_tag, where="--out-tag")
         if is_deepspeed_dir(os.path.join(args.src, tag)):
             if args.world is not None or args.stage is not None:
                 raise CheckpointError("--world and --stage are for converting to DeepSpeed's layout; a shardspeed "
@@ -55,7 +57,7 @@ def run_args(args: argparse.Namespace) -> int:
                     ds_config = json.load(f)
             out = export_deepspeed(args.src, args.dst, args.world, args.stage, tag=tag, out_tag=args.out_tag,
                                    dtype=args.dtype, ds_config=ds_config)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError, json.JSONDecodeError) as exc:  # a --ds-config unreadable or not JSON
         print(f"shardspeed convert: error: {exc}", file=sys.stderr)
         return 1
     print(out)

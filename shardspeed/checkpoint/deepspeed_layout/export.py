@@ -23,9 +23,9 @@ import torch
 from ...config.secrets import mask_secrets
 from ...config.zero import zero_block
 from ...errors import CheckpointError
-from ..commit import read_latest, resolve
+from ..commit import check_tag, read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader, crc32, write_bytes_atomic
-from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, check_stored, read_range
 from .layout import save_pt, zero3_piece
 from .moe_export import ExpertPlan, Run, dense_layout, expert_plan, write_expert_files
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
@@ -40,11 +40,17 @@ class _Ours:
         tag = tag or read_latest(load_dir)
         if tag is None:
             raise CheckpointError(f"{load_dir} has no 'latest' file; pass the tag to convert")
+        self.tag = check_tag(tag)
         self.path = resolve(load_dir, tag)
         self.meta = CheckpointMetadata.read(self.path)
         self.meta.check_files(self.path)
         self.reader = ShardReader(self.path, header_crc32=self.meta.header_crc32())
         self.index = EntryIndex(self.meta.entries, self.meta.shapes)
+        check_stored(self.reader, self.meta.entries, self.meta.tensors)  # every entry is read: all checked first
+        missing = sorted(set(self.meta.aliases.values()) - set(self.meta.tensors))
+        if missing:
+            raise CheckpointError(f"{os.path.join(self.path, 'metadata.json')}: tied names point at {missing[:4]}, "
+                                  f"which are not saved tensors; the metadata is corrupt or crafted")
         file = os.path.join(self.path, COMMON_FILE)
         with open(file, "rb") as f:
             data = f.read()
@@ -296,6 +302,8 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     the one saved; MoE layers export at ZeRO 1-2). Returns the tag directory."""
     if stage not in (0, 1, 2, 3) or world < 1:
         raise CheckpointError(f"export to DeepSpeed: stage must be 0-3 and world at least 1 (got {stage}, {world})")
+    if out_tag is not None:
+        check_tag(out_tag)  # before anything is read or written
     ours = _Ours(load_dir, tag)
     ours.ds_config = ds_config
     if sub_group_size is None:
@@ -311,7 +319,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     if plan is not None and stage not in (1, 2):
         raise CheckpointError(f"export to DeepSpeed: a model with MoE layers exports at ZeRO stage 1 or 2 (DeepSpeed's "
                               f"native MoE runs at 0-2, and its ZeRO-0 MoE files are not written here); got {stage}")
-    out_tag = out_tag or os.path.basename(ours.path)
+    out_tag = ours.tag if out_tag is None else out_tag  # the tag, not its directory (maybe a moved-aside copy)
     out = os.path.join(save_dir, out_tag)
     os.makedirs(out, exist_ok=True)
     if os.path.islink(out):

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from ...errors import CheckpointError
-from ..commit import commit, new_temp_dir, read_latest
+from ..commit import check_tag, commit, new_temp_dir, read_latest
 from ..format import NAME_TO_DTYPE, LazyTensor, fsync_dir, write_file_synced, write_safetensors
 from ..metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, FileInfo, read_range
 from ..save_lock import SaveLock
@@ -60,11 +60,11 @@ def import_deepspeed(load_dir: str, save_dir: str, tag: Optional[str] = None, ou
     tag = tag or read_latest(load_dir)
     if tag is None:
         raise CheckpointError(f"{load_dir} has no 'latest' file; pass the tag to convert")
+    out_tag = check_tag(tag if out_tag is None else out_tag)  # before anything is read or written
     src = open_deepspeed(load_dir, tag)
     if src is None:
         raise CheckpointError(f"{os.path.join(load_dir, tag)} is not a DeepSpeed checkpoint (no "
                               f"mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)")
-    out_tag = out_tag or tag
     os.makedirs(save_dir, exist_ok=True)
     lock = SaveLock.acquire(save_dir, out_tag)  # one writer at a time into save_dir (a training job's saves too)
     tmp = new_temp_dir(save_dir, out_tag)

@@ -12,6 +12,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ...errors import CheckpointError
+from ..commit import check_tag
 from ..metadata import WEIGHT, Entry, TensorInfo
 from .pickles import PtReader, field, is_tensor, key_of, stage_of
 from .source import (
@@ -96,7 +97,7 @@ def open_deepspeed(load_dir: str, tag: str,
     is not DeepSpeed's. ``trainable[g]``: the model's trained parameter names in optimizer group ``g``, in
     registration order (ZeRO 0 keys its optimizer state by position; without them every parameter of the
     module is taken as trained, the groups in module order)."""
-    path = os.path.join(load_dir, tag)
+    path = os.path.join(load_dir, check_tag(tag))
     if not is_deepspeed_dir(path):
         return None
     refuse_model_parallel(path)
