@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sized, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..mesh.topology import Topology
+from ..utils.repeating import RepeatingLoader
+
+__all__ = ["RepeatingLoader", "ResumableDataLoader", "ResumableDistributedSampler", "build_dataloader"]
 
 logger = logging.getLogger("shardspeed")
 
@@ -187,23 +190,3 @@ def build_dataloader(dataset, micro_batch_size: int, topo: Topology, collate_fn:
     return ResumableDataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                                drop_last=drop_last, pin_memory=topo.device.type == "cuda",
                                generator=torch.Generator())
-
-
-class RepeatingLoader:
-    """DeepSpeed's ``RepeatingLoader`` (``deepspeed.utils`` / ``deepspeed.runtime.dataloader``): iterates
-    ``loader`` for ever, starting it again (its next epoch) when it ends. A pipeline engine's
-    ``train_batch()`` reads ``initialize(training_data=...)``'s loader through one."""
-
-    def __init__(self, loader: Iterable):
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)  # an empty loader still ends

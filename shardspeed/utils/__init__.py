@@ -1,5 +1,5 @@
 """DeepSpeed-compatible utility modules (``shardspeed.utils.groups`` mirrors ``deepspeed.utils.groups``) and
 ``RepeatingLoader`` (``deepspeed.utils.RepeatingLoader``)."""
-from ..runtime.dataloader import RepeatingLoader
+from .repeating import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]
