@@ -10,7 +10,6 @@ only (DeepSpeed's ZeRO-0 bf16/fp16 optimizers keep other layouts).
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -22,8 +21,9 @@ import torch
 from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import read_latest, resolve
-from ..format import NAME_TO_DTYPE, ShardReader, crc32
-from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from ..format import NAME_TO_DTYPE, ShardReader
+from ..metadata import WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from ..unpickle import read_common
 from .layout import zero3_piece
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
 
@@ -33,7 +33,7 @@ logger = logging.getLogger("shardspeed")
 class _Ours:
     """Our checkpoint, opened for reading ranges (checked as the loader checks it)."""
 
-    def __init__(self, load_dir: str, tag: Optional[str]):
+    def __init__(self, load_dir: str, tag: Optional[str], trust_pickles: bool = False):
         tag = tag or read_latest(load_dir)
         if tag is None:
             raise CheckpointError(f"{load_dir} has no 'latest' file; pass the tag to convert")
@@ -42,12 +42,7 @@ class _Ours:
         self.meta.check_files(self.path)
         self.reader = ShardReader(self.path, header_crc32=self.meta.header_crc32())
         self.index = EntryIndex(self.meta.entries, self.meta.shapes)
-        file = os.path.join(self.path, COMMON_FILE)
-        with open(file, "rb") as f:
-            data = f.read()
-        if crc32(data) != self.meta.files[COMMON_FILE].crc32:
-            raise CheckpointError(f"checkpoint file {file} fails its checksum; the file is corrupt")
-        self.common: Dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        self.common: Dict[str, Any] = read_common(self.path, self.meta, trust_pickles)
         self.trained = registration_order(self.meta)
         groups = (self.meta.optimizer or {}).get("param_groups", {})
         if len(groups) > 1:
@@ -267,7 +262,8 @@ def _zero3(ours: _Ours, out: str, world: int, dtype: torch.dtype, prefix: str, s
 
 def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: Optional[str] = None,
                      out_tag: Optional[str] = None, dtype: Optional[str] = None,
-                     sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None) -> str:
+                     sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None,
+                     trust_pickles: bool = False) -> str:
     """Write our checkpoint ``load_dir/tag`` as DeepSpeed's ZeRO-``stage`` checkpoint of ``world`` data-parallel
     ranks under ``save_dir/out_tag`` (default: the same tag), then ``save_dir/latest``. ``dtype``: the
     training dtype DeepSpeed will run in (default: the one saved). ``ds_config``: the DeepSpeed config it
@@ -275,7 +271,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     DeepSpeed's defaults). Returns the tag directory."""
     if stage not in (0, 1, 2, 3) or world < 1:
         raise CheckpointError(f"export to DeepSpeed: stage must be 0-3 and world at least 1 (got {stage}, {world})")
-    ours = _Ours(load_dir, tag)
+    ours = _Ours(load_dir, tag, trust_pickles)
     ours.ds_config = ds_config
     if sub_group_size is None:
         sub_group_size = int(zero_block(ds_config).sub_group_size)
