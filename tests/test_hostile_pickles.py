@@ -182,3 +182,19 @@ def test_allowlist_maps_python2_builtins_and_refuses_the_rest():
         with pytest.raises(PickleRefused, match=f"{module.replace('__builtin__', 'builtins')}.{name}"):
             find_global(module, name)
     assert find_global("builtins", "eval", trust_pickles=True) is eval
+
+
+def test_torch_load_fallback_goes_through_the_allowlist(tmp_path):
+    """Files the lazy reader leaves to ``torch.load`` (torch's legacy non-zip format) are checked alike."""
+    from shardspeed.checkpoint.deepspeed_layout.pickles import load_pt
+    from shardspeed.checkpoint.unpickle import PickleRefused
+
+    marker = tmp_path / "MARKER"
+    torch.save({"x": Payload(str(marker)), "t": torch.ones(2)}, tmp_path / "evil.pt",
+               _use_new_zipfile_serialization=False)
+    torch.save({**PLAIN, "t": torch.ones(2)}, tmp_path / "plain.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(PickleRefused, match="evil.pt names posix.system"):
+        load_pt(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+    got = load_pt(str(tmp_path / "plain.pt"))
+    assert {k: got[k] for k in PLAIN} == PLAIN and torch.equal(got["t"], torch.ones(2))
