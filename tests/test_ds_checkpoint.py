@@ -13,7 +13,9 @@ parameter groups and ZeRO-2's ``elastic_checkpoint`` layout. DeepSpeed's univers
 ``shardspeed convert`` writes DeepSpeed's layout for world 2 at ZeRO t (fp32 0-3, bf16 1 and 3, fp16 2), and
 DeepSpeed continues with the losses shardspeed's own run has. World 4: the world-2 checkpoints
 load at another world size and stage, and the parameters and Adam moments then saved equal DeepSpeed's
-own (gathered with its ``safe_get_full_*`` API) exactly.
+own (gathered with its ``safe_get_full_*`` API) exactly. DeepSpeed's default optimizers (FusedAdam, which
+keeps Adam's ``step`` as an int, built as DeepSpeed's CPU op; torch's Adam and AdamW with ``torch_adam``)
+load at ZeRO 0-3 with the parameters and moments DeepSpeed saved, exactly, and continue DeepSpeed's run.
 """
 from __future__ import annotations
 
@@ -49,9 +51,17 @@ EXTRA_CASES = [("tied", 3, 1), ("tied", 0, 2), ("mlp_frozen", 1, 3), ("mlp_froze
                ("groups", 3, 2), ("elastic", 2, 0)]
 
 
-def _config(stage: int, dtype: str = "fp32") -> dict:
+#: DeepSpeed's own optimizers, as its config picks them (stage, type, extra params): without ``torch_adam``
+#: it builds FusedAdam (on ``DS_ACCELERATOR=cpu`` its CPU op, JIT-compiled once per machine), which keeps
+#: Adam's ``step`` as an int; ``Adam`` means AdamW unless ``adam_w_mode`` is false (then L2 decay)
+DEFAULT_CASES = [(0, "AdamW", {}), (1, "AdamW", {}), (2, "Adam", {}), (3, "AdamW", {}),
+                 (1, "Adam", {"adam_w_mode": False}), (3, "Adam", {"adam_w_mode": False}),
+                 (2, "Adam", {"torch_adam": True}), (1, "Adam", {"adam_w_mode": False, "torch_adam": True})]
+
+
+def _config(stage: int, dtype: str = "fp32", opt: tuple = ("AdamW", {"torch_adam": True})) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+           "optimizer": {"type": opt[0], "params": {"lr": 1e-2, "weight_decay": 0.01, **opt[1]}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
     if dtype == "bf16":
@@ -245,6 +255,57 @@ def _world4(base: str) -> List[str]:
         engine.load_checkpoint(f"{base}/mlp{s}fp32")
         paths.append(engine.save_checkpoint(f"{base}/w4_{s}_{t}"))
     return paths
+
+
+def _default_optimizers(base: str) -> Dict[str, Any]:
+    """Each of :data:`DEFAULT_CASES`: DeepSpeed trains N steps, saves, and goes on for M; ours (at the next
+    stage) loads, saves at once (to compare the loaded state with DeepSpeed's) and trains the same M steps."""
+    import shardspeed
+
+    ds = _deepspeed()
+    batches = make_batches("mlp", N + M, 4)
+    out: Dict[Any, Any] = {}
+    for i, (s, name, params) in enumerate(DEFAULT_CASES):
+        opt = (name, params)
+        model = make_model("mlp")
+        engine, *_ = ds.initialize(model=model, config=_config(s, opt=opt), model_parameters=list(model.parameters()))
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        _train(engine, batches[:N])
+        engine.save_checkpoint(f"{base}/default{i}", client_state={"marker": i})
+        state = _ds_state(engine, s)
+        want = _train(engine, batches[N:])
+        t = s % 3 + 1
+        ours, *_ = shardspeed.initialize(model=make_model("mlp", seed=7), config=_config(t, opt=opt))
+        _, client = ours.load_checkpoint(f"{base}/default{i}")
+        saved, steps = ours.save_checkpoint(f"{base}/default{i}_ours"), ours.global_steps
+        out[i] = {"class": type(inner).__name__, "ds": want, "ds_state": state, "ours": _train(ours, batches[N:]),
+                  "client": client, "steps": steps, "saved": saved}
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_results(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("ds_default_opt"))
+    return run_distributed(_default_optimizers, 2, base, timeout=900)[0]
+
+
+def test_deepspeeds_default_optimizers_continue(default_results):
+    """FusedAdam (int ``step``) and torch's Adam/AdamW, as DeepSpeed's config picks them: the loaded
+    parameters and moments equal DeepSpeed's exactly, and the continued losses DeepSpeed's own."""
+    for i, (s, name, params) in enumerate(DEFAULT_CASES):
+        got = default_results[i]
+        what = f"DeepSpeed ZeRO {s} {name} {params} ({got['class']}) -> ours {s % 3 + 1}"
+        assert got["class"] == ("FusedAdam" if not params.get("torch_adam") else
+                                "Adam" if params.get("adam_w_mode") is False else "AdamW"), what
+        assert got["steps"] == N and got["client"] == {"marker": i}, what
+        loaded = _read_ours(got["saved"], got["ds_state"])
+        for n, want in got["ds_state"].items():
+            for g, w, st in zip(loaded[n], want, ("weights", "exp_avg", "exp_avg_sq")):
+                assert torch.equal(g, w.float().reshape(-1)), f"{what}: {n} {st}"
+    diffs = {i: max(abs(a - b) for a, b in zip(default_results[i]["ours"], default_results[i]["ds"]))
+             for i in range(len(DEFAULT_CASES))}
+    assert all(d <= TOL for d in diffs.values()), [(DEFAULT_CASES[i], default_results[i]["class"], d)
+                                                        for i, d in diffs.items()]
 
 
 @pytest.fixture(scope="module")

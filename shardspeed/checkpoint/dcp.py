@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..errors import CheckpointError
 from .engine_view import EngineView
+from .unpickle import load_pickle
 
 OPTIM = "optimizer"
 STATE = "shardspeed_state"
@@ -233,8 +234,9 @@ def save_dcp(engine, checkpoint_dir: str) -> str:
 class _LoadPlanner(LoadPlanner):
     """Fills the given pieces from whichever saved chunks overlap their boxes, and collects values."""
 
-    def __init__(self, checkpoint_dir: str, view: EngineView, module_only: bool):
+    def __init__(self, checkpoint_dir: str, view: EngineView, module_only: bool, trust_pickles: bool = False):
         self.dir, self.view, self.module_only = checkpoint_dir, view, module_only
+        self.trust_pickles = trust_pickles
         self.tensors: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
         self.values: Dict[str, Any] = {}
         self.states: Dict[int, Dict[str, Any]] = {}  # id(master piece) -> its optimizer state (as read)
@@ -305,7 +307,8 @@ class _LoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.values[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=False)
+        fqn = read_item.dest_index.fqn
+        self.values[fqn] = load_pickle(value.getvalue(), f"{self.dir} item {fqn!r}", self.trust_pickles)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index
@@ -344,16 +347,17 @@ def _apply_optimizer(view: EngineView, planner: _LoadPlanner) -> None:
 
 
 @torch.no_grad()
-def load_dcp(engine, checkpoint_dir: str, load_module_only: bool = False) -> Optional[dict]:
+def load_dcp(engine, checkpoint_dir: str, load_module_only: bool = False, trust_pickles: bool = False) -> Optional[dict]:
     """Load a DCP checkpoint (:func:`save_dcp`'s keys) into the engine at any world size and ZeRO stage;
     every rank calls it. Returns what ``shardspeed_state`` held (None when the checkpoint has none, e.g.
     torchtitan's). A missing or misshapen tensor is a CheckpointError on every rank before anything is read;
-    an I/O error while reading leaves the engine partially loaded."""
+    an I/O error while reading leaves the engine partially loaded. Its pickled values load through an
+    allowlist of plain types (:func:`~.unpickle.load_pickle`; ``trust_pickles``: anything, running its code)."""
     view = EngineView(engine, "load_dcp")
     if view.parts.async_saves is not None:
         view.parts.async_saves.wait(view.coord)
     _check_supported(view, "load_dcp")
-    planner = _LoadPlanner(checkpoint_dir, view, load_module_only)
+    planner = _LoadPlanner(checkpoint_dir, view, load_module_only, trust_pickles)
     try:
         dcp.load({}, checkpoint_id=checkpoint_dir, planner=planner, **_group_kwargs(view))
     except CheckpointException as exc:  # every rank's failures, the same on every rank

@@ -2,7 +2,6 @@
 whichever files hold them, so resharding needs no conversion step."""
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections import defaultdict
@@ -14,9 +13,8 @@ import torch
 from ..errors import CheckpointError
 from .commit import check_tag, read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
-from .format import ShardReader, crc32
+from .format import ShardReader
 from .metadata import (
-    COMMON_FILE,
     FORMAT,
     WEIGHT,
     CheckpointMetadata,
@@ -28,6 +26,7 @@ from .metadata import (
     read_range,
 )
 from .slices import Spec
+from .unpickle import read_common
 
 logger = logging.getLogger("shardspeed")
 
@@ -193,31 +192,6 @@ class _Verified:
     common: Dict[str, Any]
 
 
-def _read_common(path: str, meta: CheckpointMetadata) -> Dict[str, Any]:
-    """``common.pt``, checked against the CRC-32 recorded in the metadata before it is unpickled."""
-    file = os.path.join(path, COMMON_FILE)
-    info = meta.files.get(COMMON_FILE)
-    if info is None:
-        raise CheckpointError(f"{os.path.join(path, 'metadata.json')} lists no {COMMON_FILE}; the checkpoint is "
-                              f"incomplete or corrupt")
-    try:
-        with open(file, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}") from exc
-    got = crc32(data)
-    if got != info.crc32:
-        raise CheckpointError(f"checkpoint file {file} fails its checksum (crc32 {got:#010x}, expected "
-                              f"{info.crc32:#010x}); the file is corrupt")
-    try:
-        common = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint file {file} cannot be unpickled ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(common, dict):
-        raise CheckpointError(f"checkpoint file {file} does not hold a dict; it is not a shardspeed checkpoint")
-    return common
-
-
 def _trained_by_group(view: EngineView) -> List[List[str]]:
     """Per optimizer group, its trained parameters' names in registration order (every rank's pieces
     together: a rank holds only its own at stages 1-3). A collective: DeepSpeed's ZeRO 0 keys its optimizer
@@ -233,29 +207,30 @@ def _trained_by_group(view: EngineView) -> List[List[str]]:
     return out
 
 
-def _open(view: EngineView, load_dir: str, tag: str,
-          verify: bool) -> Tuple[str, CheckpointMetadata, ShardReader, Dict[str, Any]]:
+def _open(view: EngineView, load_dir: str, tag: str, verify: bool,
+          trust_pickles: bool) -> Tuple[str, CheckpointMetadata, ShardReader, Dict[str, Any]]:
     """(path, metadata, reader, common state) of checkpoint ``tag``: ours, or DeepSpeed's (its ZeRO 0-3
     layouts and its universal one), presented as ours (:mod:`.deepspeed_layout`)."""
     from .deepspeed_layout import is_deepspeed_dir, open_deepspeed
 
     tag = check_tag(tag)  # before any path is built from it
     if is_deepspeed_dir(os.path.join(load_dir, tag)):  # the same answer on every rank (a shared directory)
-        ds = open_deepspeed(load_dir, tag, trainable=_trained_by_group(view))
+        ds = open_deepspeed(load_dir, tag, trainable=_trained_by_group(view), trust_pickles=trust_pickles)
         assert ds is not None
         return ds.path, ds.meta, ds.reader, ds.common
     path = resolve(load_dir, tag)
     meta = CheckpointMetadata.read(path)
     meta.check_files(path)
-    return path, meta, ShardReader(path, verify=verify, header_crc32=meta.header_crc32()), _read_common(path, meta)
+    reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
+    return path, meta, reader, read_common(path, meta, trust_pickles)
 
 
 def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimizer: bool, module_only: bool,
-            verify: bool) -> _Verified:
+            verify: bool, trust_pickles: bool = False) -> _Verified:
     """Check everything this rank's load will use, changing nothing: the metadata (its checksum), the file
     sizes, every safetensors header it reads (CRC), ``common.pt`` (CRC), names and shapes, the optimizer
     class, that every range is covered, and (``verify``) the CRC of every tensor it will read."""
-    path, meta, reader, common = _open(view, load_dir, tag, verify)
+    path, meta, reader, common = _open(view, load_dir, tag, verify, trust_pickles)
     index = EntryIndex(meta.entries, meta.shapes)
     present = _check_names(view, meta, strict)
     if with_optimizer:
@@ -317,7 +292,8 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, verify: bool = True) -> Tuple[Optional[str], Optional[dict]]:
+                    load_module_only: bool = False, verify: bool = True,
+                    trust_pickles: bool = False) -> Tuple[Optional[str], Optional[dict]]:
     """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
@@ -329,6 +305,11 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     sizes, header and ``common.pt`` CRCs and, with ``verify``, each tensor's CRC-32), the ranks agree on the
     verdict, and only then does any rank change its engine. On failure every rank raises the same
     :class:`CheckpointError` and the engine is as it was.
+
+    No code from the checkpoint runs: ``common.pt`` (and DeepSpeed's ``.pt`` files) are unpickled through
+    an allowlist of plain types (:mod:`.unpickle`); a client state holding other classes is refused, naming
+    them. ``trust_pickles=True`` unpickles anything, which runs whatever code the files name: only for
+    checkpoints you trust.
     """
     view = EngineView(engine, "load_checkpoint")
     if tag is None:
@@ -341,7 +322,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     err = None
     checked: Optional[_Verified] = None
     try:
-        checked = _verify(view, load_dir, str(tag), load_module_strict, with_optimizer, load_module_only, verify)
+        checked = _verify(view, load_dir, str(tag), load_module_strict, with_optimizer, load_module_only, verify,
+                          trust_pickles)
     except CheckpointError as exc:
         err = str(exc)
     except Exception as exc:  # unexpected: still fail every rank alike, before anything changed

@@ -26,6 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ds-config", default=None,
                    help="to DeepSpeed: the JSON config it will run with (its fp16 loss-scale settings and ZeRO-3 "
                         "sub_group_size shape the files; default: DeepSpeed's defaults)")
+    p.add_argument("--trust-pickles", action="store_true",
+                   help="unpickle any class SRC's pickles name (client state of your own classes). Unpickling runs "
+                        "whatever code the files name: only for checkpoints you trust (default: an allowlist of "
+                        "plain types, anything else refused)")
     p.set_defaults(func=run_args)
 
 
@@ -46,7 +50,8 @@ def run_args(args: argparse.Namespace) -> int:
             if args.world is not None or args.stage is not None:
                 raise CheckpointError("--world and --stage are for converting to DeepSpeed's layout; a shardspeed "
                                       "checkpoint loads at any world size and stage")
-            out = import_deepspeed(args.src, args.dst, tag=tag, out_tag=args.out_tag)
+            out = import_deepspeed(args.src, args.dst, tag=tag, out_tag=args.out_tag,
+                                   trust_pickles=args.trust_pickles)
         else:
             if args.world is None or args.stage is None:
                 raise CheckpointError("converting a shardspeed checkpoint to DeepSpeed's layout needs --world and "
@@ -56,7 +61,7 @@ def run_args(args: argparse.Namespace) -> int:
                 with open(args.ds_config) as f:
                     ds_config = json.load(f)
             out = export_deepspeed(args.src, args.dst, args.world, args.stage, tag=tag, out_tag=args.out_tag,
-                                   dtype=args.dtype, ds_config=ds_config)
+                                   dtype=args.dtype, ds_config=ds_config, trust_pickles=args.trust_pickles)
     except (CheckpointError, OSError, json.JSONDecodeError) as exc:  # a --ds-config unreadable or not JSON
         print(f"shardspeed convert: error: {exc}", file=sys.stderr)
         return 1

@@ -427,7 +427,8 @@ class ShardspeedStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: _PathLike, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore the engine from the checkpoint directory (weights, and when fitting the optimizer state, the
-        engine's counters and RNG) and give Lightning back its state (loops, callbacks, LR schedulers)."""
+        engine's counters and RNG) and give Lightning back its state (loops, callbacks, LR schedulers).
+        ``weights_only=False`` (Lightning's opt-in to arbitrary pickles) is the engine's ``trust_pickles``."""
         path = self.broadcast(str(checkpoint_path))
         if not os.path.isdir(path):
             raise CheckpointError(
@@ -441,7 +442,7 @@ class ShardspeedStrategy(DDPStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         loaded, client_state = self.engine.load_checkpoint(
             path, load_module_strict=module.strict_loading, load_optimizer_states=fitting,
-            load_lr_scheduler_states=fitting, load_module_only=not fitting)
+            load_lr_scheduler_states=fitting, load_module_only=not fitting, trust_pickles=weights_only is False)
         if loaded is None or client_state is None:
             raise CheckpointError(f"{path} holds no checkpoint (no 'latest' file)")
         return dict(client_state)

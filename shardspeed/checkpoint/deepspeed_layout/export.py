@@ -11,7 +11,6 @@ only (DeepSpeed's ZeRO-0 bf16/fp16 optimizers keep other layouts).
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -24,8 +23,9 @@ from ...config.secrets import mask_secrets
 from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import check_tag, read_latest, resolve
-from ..format import NAME_TO_DTYPE, ShardReader, crc32, write_bytes_atomic
-from ..metadata import COMMON_FILE, WEIGHT, CheckpointMetadata, EntryIndex, check_stored, read_range
+from ..format import NAME_TO_DTYPE, ShardReader, write_bytes_atomic
+from ..metadata import WEIGHT, CheckpointMetadata, EntryIndex, check_stored, read_range
+from ..unpickle import read_common
 from .layout import save_pt, zero3_piece
 from .moe_export import ExpertPlan, Run, dense_layout, expert_plan, write_expert_files
 from .source import IMPL_KEYS, MODEL_FILE, Z3_MODEL
@@ -36,7 +36,7 @@ logger = logging.getLogger("shardspeed")
 class _Ours:
     """Our checkpoint, opened for reading ranges (checked as the loader checks it)."""
 
-    def __init__(self, load_dir: str, tag: Optional[str]):
+    def __init__(self, load_dir: str, tag: Optional[str], trust_pickles: bool = False):
         tag = tag or read_latest(load_dir)
         if tag is None:
             raise CheckpointError(f"{load_dir} has no 'latest' file; pass the tag to convert")
@@ -51,12 +51,7 @@ class _Ours:
         if missing:
             raise CheckpointError(f"{os.path.join(self.path, 'metadata.json')}: tied names point at {missing[:4]}, "
                                   f"which are not saved tensors; the metadata is corrupt or crafted")
-        file = os.path.join(self.path, COMMON_FILE)
-        with open(file, "rb") as f:
-            data = f.read()
-        if crc32(data) != self.meta.files[COMMON_FILE].crc32:
-            raise CheckpointError(f"checkpoint file {file} fails its checksum; the file is corrupt")
-        self.common: Dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        self.common: Dict[str, Any] = read_common(self.path, self.meta, trust_pickles)
         self.trained = registration_order(self.meta)
         groups = (self.meta.optimizer or {}).get("param_groups", {})
         if len(groups) > 1 and not all(g.get("moe") for g in list(groups.values())[1:]):
@@ -293,7 +288,7 @@ def _zero3(ours: _Ours, out: str, world: int, dtype: torch.dtype, prefix: str, s
 def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: Optional[str] = None,
                      out_tag: Optional[str] = None, dtype: Optional[str] = None,
                      sub_group_size: Optional[int] = None, ds_config: Optional[Dict[str, Any]] = None,
-                     ep_size: Optional[int] = None) -> str:
+                     ep_size: Optional[int] = None, trust_pickles: bool = False) -> str:
     """Write our checkpoint ``load_dir/tag`` as DeepSpeed's ZeRO-``stage`` checkpoint of ``world`` data-parallel
     ranks under ``save_dir/out_tag`` (default: the same tag), then ``save_dir/latest``. ``dtype``: the
     training dtype DeepSpeed will run in (default: the one saved). ``ds_config``: the DeepSpeed config it
@@ -304,7 +299,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
         raise CheckpointError(f"export to DeepSpeed: stage must be 0-3 and world at least 1 (got {stage}, {world})")
     if out_tag is not None:
         check_tag(out_tag)  # before anything is read or written
-    ours = _Ours(load_dir, tag)
+    ours = _Ours(load_dir, tag, trust_pickles)
     ours.ds_config = ds_config
     if sub_group_size is None:
         sub_group_size = int(zero_block(ds_config).sub_group_size)

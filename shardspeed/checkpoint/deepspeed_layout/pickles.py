@@ -7,11 +7,15 @@ code runs and DeepSpeed need not be installed.
 
 Files in ``torch.save``'s zip format are opened lazily (:mod:`.lazy_pt`): tensors are
 :class:`~.lazy_pt.TensorRef` and only the slices asked for are read; other files go through
-``torch.load`` (memory-mapped where it can). These are pickles: loading one runs whatever the file says, as
-``torch.load(weights_only=False)`` does. Load only checkpoints you trust.
+``torch.load`` (memory-mapped where it can). Either way every global a file names goes through
+:func:`find_global`: an allowlist of what DeepSpeed's checkpoints hold (torch's tensor machinery,
+containers, dtypes, its own classes as stand-ins, pickle's builtin names); anything else is refused
+before it is called, unless the caller trusts the checkpoint (``trust_pickles=True``).
 """
 from __future__ import annotations
 
+import _compat_pickle
+import functools
 import os
 import pickle
 import sys
@@ -22,6 +26,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..format import ShardReader
+from ..unpickle import SAFE_BUILTINS, PickleRefused
 from .lazy_pt import LazyUnsupported, TensorRef, load_lazy
 
 
@@ -55,49 +60,96 @@ def _stand_class(module: str, name: str) -> type:
     return type(name, (Stand,), {"ds_class": f"{module}.{name}"})
 
 
-class _Module:
-    """What ``torch.load(pickle_module=...)`` needs of a pickle module, with the class look-up replaced."""
+#: what ``torch.save`` files name besides DeepSpeed's classes: torch's tensor machinery (its rebuild
+#: functions, ``Parameter``, ``Size``, ``device``, storages and dtypes are matched by kind below), containers,
+#: and ``argparse.Namespace`` (training scripts save their ``args``; it only sets attributes)
+_ALLOWED = {
+    "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                     "_rebuild_parameter_with_state", "_rebuild_sparse_tensor", "_rebuild_meta_tensor_no_storage",
+                     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_qtensor", "_rebuild_nested_tensor",
+                     "_rebuild_wrapper_subclass"},
+    "torch._tensor": {"_rebuild_from_type_v2"},
+    "torch.nn.parameter": {"Parameter"},
+    "torch.storage": {"UntypedStorage", "TypedStorage"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Tensor", "Size", "device"},
+    "collections": {"OrderedDict", "Counter"},
+    "_codecs": {"encode"},  # bytes in a protocol-2 pickle
+    "argparse": {"Namespace"},
+    "builtins": {n.split(".", 1)[1] for n in SAFE_BUILTINS},
+}
+
+
+def _is_torch_kind(module: str, name: str) -> bool:
+    """``torch.float32`` and the other dtypes, ``torch.FloatStorage`` and the other (legacy) storages."""
+    if module not in ("torch", "torch.cuda"):
+        return False
+    obj = getattr(torch, name, None) if module == "torch" else None
+    return isinstance(obj, torch.dtype) or (name.endswith("Storage") and name[:1].isupper())
+
+
+def find_global(module: str, name: str, trust_pickles: bool = False) -> Any:
+    """A global a DeepSpeed ``.pt`` file names: DeepSpeed's classes as :class:`Stand` stand-ins, pickle's
+    Python 2 names mapped as pickle maps them, then the allowlist above; anything else is a
+    :class:`~shardspeed.checkpoint.unpickle.PickleRefused` unless ``trust_pickles`` (then as pickle finds it)."""
+    if module == "deepspeed" or module.startswith("deepspeed."):
+        return _stand_class(module, name)
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    if not trust_pickles and name not in _ALLOWED.get(module, ()) and not _is_torch_kind(module, name):
+        raise PickleRefused([f"{module}.{name}"])
+    try:
+        __import__(module)
+        obj: Any = sys.modules[module]
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise CheckpointError(f"a DeepSpeed checkpoint pickle names {module}.{name}, which cannot be found "
+                              f"({type(exc).__name__}: {exc})") from None
+    return obj
+
+
+def _pickle_module(trust_pickles: bool) -> Any:
+    """What ``torch.load(pickle_module=...)`` needs of a pickle module, with :func:`find_global` as the look-up."""
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            if module == "deepspeed" or module.startswith("deepspeed."):
-                return _stand_class(module, name)
-            return super().find_class(module, name)  # (torch.load's own wrapper maps torch's names)
+            return find_global(module, name, trust_pickles)
 
-    @staticmethod
-    def load(f: Any, **kwargs: Any) -> Any:
-        return _Module.Unpickler(f, **kwargs).load()
+    class Module:
+        __name__ = "shardspeed_deepspeed_pickle"
 
-    __name__ = "shardspeed_deepspeed_pickle"
+        @staticmethod
+        def load(f: Any, **kwargs: Any) -> Any:
+            return Unpickler(f, **kwargs).load()
 
-
-def _find_class(module: str, name: str) -> Any:
-    """Globals of a pickle: DeepSpeed's classes as stand-ins, anything else as pickle finds it."""
-    if module == "deepspeed" or module.startswith("deepspeed."):
-        return _stand_class(module, name)
-    __import__(module)
-    obj: Any = sys.modules[module]
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    Module.Unpickler = Unpickler  # type: ignore[attr-defined]
+    return Module
 
 
 def is_tensor(x: Any) -> bool:
     return torch.is_tensor(x) or isinstance(x, TensorRef)
 
 
-def load_pt(path: str) -> Any:
+def load_pt(path: str, trust_pickles: bool = False) -> Any:
     """The object in ``path``: lazily (:mod:`.lazy_pt`: tensors as :class:`TensorRef`, read slice by slice)
-    where the file is ``torch.save``'s zip format, else through ``torch.load`` (memory-mapped if it can)."""
+    where the file is ``torch.save``'s zip format, else through ``torch.load`` (memory-mapped if it can).
+    Every global the file names goes through :func:`find_global`."""
     if not os.path.isfile(path):
         raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing")
     try:
-        return load_lazy(path, _find_class)
+        return load_lazy(path, functools.partial(find_global, trust_pickles=trust_pickles))
     except LazyUnsupported:
         pass
+    except PickleRefused as exc:
+        raise exc.at(path) from None
+    module = _pickle_module(trust_pickles)
     for mmap in (True, False):
         try:
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=_Module)
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=module)
+        except PickleRefused as exc:
+            raise exc.at(path) from None
         except RuntimeError as exc:  # the legacy (non-zip) format cannot be memory-mapped
             if mmap and "mmap" in str(exc):
                 continue
@@ -164,15 +216,16 @@ class PtReader(ShardReader):
 
     OPEN_FILES = 2  # a range spans two rank files at most (the structures are small: tensors are references)
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, trust_pickles: bool = False):
         super().__init__(root, verify=False)
         self._open: OrderedDict[str, Any] = OrderedDict()
+        self.trust_pickles = trust_pickles
 
     def obj(self, file: str) -> Any:
         if file in self._open:
             self._open.move_to_end(file)
             return self._open[file]
-        obj = load_pt(os.path.join(self.root, file))
+        obj = load_pt(os.path.join(self.root, file), self.trust_pickles)
         self._open[file] = obj
         while len(self._open) > self.OPEN_FILES:
             self._open.popitem(last=False)
@@ -182,6 +235,8 @@ class PtReader(ShardReader):
         path, lo, hi = parse_key(key)
         where = os.path.join(self.root, file)
         t = field(self.obj(file), path, where)
+        if isinstance(t, (int, float)) and not isinstance(t, bool):  # a count DeepSpeed's own Adams keep as a
+            t = torch.tensor(float(t), dtype=torch.float32)  # number (FusedAdam's, CPU Adam's ``step``): torch's form
         if not is_tensor(t):
             raise CheckpointError(f"DeepSpeed checkpoint file {where}: field {'/'.join(map(str, path))!r} is not a "
                                   f"tensor")

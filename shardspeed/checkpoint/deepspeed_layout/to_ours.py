@@ -54,14 +54,16 @@ def _items(src: DeepSpeedSource) -> Tuple[List[Tuple[str, Union[torch.Tensor, La
     return items, entries
 
 
-def import_deepspeed(load_dir: str, save_dir: str, tag: Optional[str] = None, out_tag: Optional[str] = None) -> str:
+def import_deepspeed(load_dir: str, save_dir: str, tag: Optional[str] = None, out_tag: Optional[str] = None,
+                     trust_pickles: bool = False) -> str:
     """Write DeepSpeed's checkpoint ``load_dir/tag`` (default: its ``latest``) as our checkpoint
-    ``save_dir/out_tag`` (default: the same tag) and point ``save_dir/latest`` at it. Returns its path."""
+    ``save_dir/out_tag`` (default: the same tag) and point ``save_dir/latest`` at it. Returns its path.
+    ``trust_pickles``: unpickle any global its files name (:func:`~.universal.open_deepspeed`)."""
     tag = tag or read_latest(load_dir)
     if tag is None:
         raise CheckpointError(f"{load_dir} has no 'latest' file; pass the tag to convert")
     out_tag = check_tag(tag if out_tag is None else out_tag)  # before anything is read or written
-    src = open_deepspeed(load_dir, tag)
+    src = open_deepspeed(load_dir, tag, trust_pickles=trust_pickles)
     if src is None:
         raise CheckpointError(f"{os.path.join(load_dir, tag)} is not a DeepSpeed checkpoint (no "
                               f"mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)")

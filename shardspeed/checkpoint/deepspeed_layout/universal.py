@@ -91,17 +91,18 @@ def read_universal(path: str, tag: str, reader: PtReader) -> DeepSpeedSource:
     return DeepSpeedSource(path, meta, reader, common_state(ms, opt.get("loss_scaler")), "universal")
 
 
-def open_deepspeed(load_dir: str, tag: str,
-                   trainable: Optional[Sequence[Sequence[str]]] = None) -> Optional[DeepSpeedSource]:
+def open_deepspeed(load_dir: str, tag: str, trainable: Optional[Sequence[Sequence[str]]] = None,
+                   trust_pickles: bool = False) -> Optional[DeepSpeedSource]:
     """The DeepSpeed checkpoint ``load_dir/tag`` as a source for our loader, or None when that directory
     is not DeepSpeed's. ``trainable[g]``: the model's trained parameter names in optimizer group ``g``, in
     registration order (ZeRO 0 keys its optimizer state by position; without them every parameter of the
-    module is taken as trained, the groups in module order)."""
+    module is taken as trained, the groups in module order). ``trust_pickles``: unpickle any global its
+    files name (by default only what DeepSpeed's checkpoints hold, :func:`~.pickles.find_global`)."""
     path = os.path.join(load_dir, check_tag(tag))
     if not is_deepspeed_dir(path):
         return None
     refuse_model_parallel(path)
-    reader = PtReader(path)
+    reader = PtReader(path, trust_pickles)
     if os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and os.path.isfile(os.path.join(path, OPT_FILE)):
         return read_universal(path, tag, reader)
     if not os.path.isfile(os.path.join(path, MODEL_FILE)):

@@ -119,6 +119,7 @@ def read_zero0(path: str, tag: str, ms: Dict[str, Any], reader: PtReader,
             flat_at[int(i)] = (gi, off)
             off += numel(module[names[order.index(int(i))]].shape)
     entries = [e for e in entries if e.tensor not in names]  # trainable weights: from the masters below
+    fused_step = _fused_steps(base.get("state", {}), groups)
     for idx, name in zip(order, names):
         shape = list(module[name].shape)
         n = numel(shape)
@@ -136,13 +137,27 @@ def read_zero0(path: str, tag: str, ms: Dict[str, Any], reader: PtReader,
             if sk in st:
                 entries.append(Entry(name, sk, 0, n, mf, key_of(state_path + (sk,), lo, lo + n)))
         if "step" in st:
-            entries += step_entries([(name, n)], mf, state_path + ("step",))
+            step_at = fused_step.get(gi, state_path[-1]) if "fp32_groups_flat" not in opt else state_path[-1]
+            entries += step_entries([(name, n)], mf, state_path[:-1] + (step_at, "step"))
     meta = metadata(tag, int(ms.get("dp_world_size") or 1), 0, train_dtype(ms), tensors, alias, entries,
                     {str(i): hyper(g) for i, g in enumerate(groups)})
     scaler = {k: opt[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "scale_window") if k in opt}
     if scaler:
         scaler["dynamic"] = bool(opt.get("dynamic_loss_scale"))
     return DeepSpeedSource(path, meta, reader, common_state(ms, scaler or None), "zero0")
+
+
+def _fused_steps(state: Dict[Any, Any], groups: List[Dict[str, Any]]) -> Dict[int, Any]:
+    """Per group whose steps are ints (DeepSpeed's FusedAdam), the position whose ``step`` counts the group's:
+    FusedAdam counts a group's steps in the state of its last parameter with a gradient (the others keep
+    the count they started with) and uses that one count for every parameter."""
+    out: Dict[int, Any] = {}
+    for gi, g in enumerate(groups):
+        steps = {i: state.get(i, {}).get("step") for i in g["params"]}
+        ints = {i: v for i, v in steps.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if ints:
+            out[gi] = max(ints, key=lambda i: ints[i])
+    return out
 
 
 def g_index(groups: List[Dict[str, Any]], idx: int) -> int:
