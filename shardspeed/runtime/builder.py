@@ -22,7 +22,7 @@ from ..moe.utils import has_moe_layers, largest_ep_size
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
-from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..optim import build_optimizer, build_scheduler, retarget_optimizer
 from ..parallel.tp.setup import TP_ARGS_ATTR, setup_tensor_parallel
 from ..pipe.module import PipelineModule
 from ..pipe.plan import plan_pipeline
@@ -107,7 +107,7 @@ def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimiz
             return build_optimizer(cfg.optimizer, full)
         if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
             return client_optimizer(full)
-        return rebuild_optimizer(client_optimizer, full)
+        return retarget_optimizer(client_optimizer, full)  # the user's object is the one stepped
 
     return make
 
