@@ -1,6 +1,7 @@
 """Sequence parallelism trains like the model without it: a tiny Llama (transformers, built from a config)
 through shardspeed with Ulysses or ring attention, against the same model in one process on the same global
-batch (token-mean loss per data replica, averaged over replicas; AdamW; clipped global norm). Losses and
+batch (token-mean loss per data replica, averaged over replicas; AdamW; clipped global norm; the true
+gradient: ``sequence_parallel_gradients`` "mean"). Losses and
 parameters within 1e-5 in fp32, on every rank (stage 3: the consolidated parameters on rank 0)."""
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def _cases(cases):
         layers = kw.pop("layers", 2)
         steps = C.batches(dist.get_world_size() // sp, 1, seq, pad_tail=pad_tail)
         ref = C.reference(C.llama(heads, kv, layers), steps)
-        got = C.train_sp(C.llama(heads, kv, layers), C.config(stage, sp, **extra), steps, **kw)
+        # the true gradient ("mean"), which the clipped reference has (DeepSpeed's "sum": test_sp_grad_scale.py)
+        cfg = C.config(stage, sp, **extra, sequence_parallel_gradients="mean")
+        got = C.train_sp(C.llama(heads, kv, layers), cfg, steps, **kw)
         out[name] = dict(C.max_diff(got, ref), losses=got["losses"])
     return out
 

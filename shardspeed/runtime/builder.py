@@ -250,7 +250,7 @@ def _reduce_policy(plan: Plan) -> ReducePolicy:
     zpp = sh.zeropp
     codec = BlockCodec(zpp.gradient_bits, zpp.block) if zpp.gradient_bits else None
     return ReducePolicy(ReduceOp(sh.reduce_op), sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce,
-                        pr.predivide_factor, grad_codec=codec)
+                        pr.predivide_factor, grad_codec=codec, summed_ranks=sh.summed_ranks)
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
