@@ -238,7 +238,7 @@ def _open(view: EngineView, load_dir: str, tag: str,
     return path, meta, ShardReader(path, verify=verify, header_crc32=meta.header_crc32()), _read_common(path, meta)
 
 
-def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimizer: bool, with_rng: bool,
+def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimizer: bool, module_only: bool,
             verify: bool) -> _Verified:
     """Check everything this rank's load will use, changing nothing: the metadata (its checksum), the file
     sizes, every safetensors header it reads (CRC), ``common.pt`` (CRC), names and shapes, the optimizer
@@ -288,7 +288,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     for name, t in view.other_params() + view.buffers():
         if name in present:
             need_range(name, WEIGHT, 0, t.numel())
-    if with_rng:
+    if not module_only:  # the RNG tensors too, restored or not: a corrupt byte anywhere refuses the load
         rec = meta.rng.get(str(view.rank)) or {}
         for k, crc in rec.get("tensors", {}).items():
             needed[(rank_file(view.rank), k)] = crc
@@ -330,7 +330,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     err = None
     checked: Optional[_Verified] = None
     try:
-        checked = _verify(view, load_dir, str(tag), load_module_strict, with_optimizer, with_rng, verify)
+        checked = _verify(view, load_dir, str(tag), load_module_strict, with_optimizer, load_module_only, verify)
     except CheckpointError as exc:
         err = str(exc)
     except Exception as exc:  # unexpected: still fail every rank alike, before anything changed
