@@ -17,7 +17,8 @@ under --save-dir; run it under torchrun's elastic restart and a crashed rank cos
 
 When a worker dies torchrun stops the others and starts the group again with TORCHELASTIC_RESTART_COUNT
 > 0; the script then loads the newest checkpoint this job wrote (its parameters, optimizer state, LR
-schedule, step counters, the data loader's position and every rank's RNG states) and trains on from its
+schedule, step counters, the data loader's position and, with load_rng_state=True, every rank's RNG
+states) and trains on from its
 step to --steps, ending with the same weights, bit for bit, as an uninterrupted run (fp32; the
 run id in the checkpoint must be torchrun's TORCHELASTIC_RUN_ID of this job, so a checkpoint left in
 --save-dir by an earlier job is never picked up by a restart). --resume loads the newest checkpoint in
@@ -249,7 +250,9 @@ def main(argv=None) -> int:
             tag = box[0]
         path, client = (None, None)
         if args.resume or tag is not None:
-            path, client = engine.load_checkpoint(args.save_dir, tag=tag)
+            # load_rng_state: dropout after the restart draws what the uninterrupted run draws (DeepSpeed
+            # restores no RNG; shardspeed does when asked)
+            path, client = engine.load_checkpoint(args.save_dir, tag=tag, load_rng_state=True)
         if path is not None:
             start_step = int((client or {}).get("step", engine.global_steps))
         if rank == 0:

@@ -31,7 +31,8 @@ def initialize(
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
     the data loader is None unless ``training_data`` is given. ``optimizer`` may be a torch optimizer
-    (moved onto the fp32 master weights) or a callable taking parameter groups. ``mpu`` is a
+    (moved onto the fp32 master weights, in place: the returned optimizer is that object, whose
+    ``param_groups`` are the live ones) or a callable taking parameter groups. ``mpu`` is a
     Megatron-style model-parallel unit: ZeRO then shards over ``mpu.get_data_parallel_group()`` (as in
     DeepSpeed) instead of the data dimension of the mesh built from the config.
     """

@@ -197,10 +197,11 @@ def _save_group(root: str, resume_cases, reshard_stages, loader_stages=()) -> di
 
 def _continue_from(d: str, kind: str, stage: int, dtype: str = "fp32", noise: bool = False) -> dict:
     e = _engine(kind, stage, dtype, model_seed=7)  # other initial weights: they must come from the checkpoint
-    _seed_all(999)  # other RNG states: they must come from the checkpoint
-    path, client = e.load_checkpoint(d)
+    _seed_all(999)  # other RNG states: with noise they must come from the checkpoint
+    before = torch.get_rng_state()
+    path, client = e.load_checkpoint(d, load_rng_state=noise)  # off (DeepSpeed's default): the RNGs stay
     after_load = {"global_steps": e.global_steps, "global_samples": e.global_samples, "lr": e.get_lr(),
-                  "client": client, "path": path}
+                  "client": client, "path": path, "rng_kept": torch.equal(torch.get_rng_state(), before)}
     losses = _steps(e, kind, make_batches(kind, 2 * K, GLOBAL_BATCH)[K:], noise=noise)
     return {"losses": losses, "params": _params(e), **after_load}
 
@@ -321,6 +322,7 @@ def test_exact_resume(runs, case):
     saved = runs[2][("resume", *case)]
     got = runs["load2"][("resume", *case)]
     assert saved["first"] == saved["straight"][:K]
+    assert not got["rng_kept"]  # load_rng_state=True restored the saved RNG states
     assert got["losses"] == saved["straight"][K:], f"{case}: losses after resume differ"
     for n, p in saved["params"].items():
         assert torch.equal(got["params"][n], p), f"{case}: parameter {n} differs after resume"
@@ -357,6 +359,7 @@ def test_reshard_continues_like_the_original_run(runs, group, src_stage, src_wor
     ref = runs[src_world][("reshard", src_stage)]
     got = runs[group][("reshard", src_stage, src_world, stage)]
     assert got["global_steps"] == K
+    assert got["rng_kept"]  # the default, as DeepSpeed: the load leaves every RNG as it was
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["straight"][K:]), rtol=1e-5, atol=1e-6)
     for n, p in ref["params"].items():
         torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")

@@ -110,7 +110,7 @@ def _save_group(root: str) -> dict:
 def _continue(d: str, stage: int, dev: str, nvme: str, noise: bool) -> dict:
     e = _engine(stage, dev, nvme, seed=7)  # other weights and RNG: they must come from the checkpoint
     _seed_all(999)
-    e.load_checkpoint(d)
+    e.load_checkpoint(d, load_rng_state=noise)
     files = _file_state(e) if dev != "none" else None
     steps = e.global_steps
     losses = _steps(e, "mlp", make_batches("mlp", 2 * K, GLOBAL_BATCH)[K:], noise=noise)

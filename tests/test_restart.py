@@ -5,8 +5,8 @@ exits (os._exit(1)) after step 10 of 12 on the first attempt; torchrun stops ran
 again (TORCHELASTIC_RESTART_COUNT=1); the example loads the checkpoint of step 8 by itself and trains
 steps 9-12. It must end exactly where the same command without the failure ends: the final fp32 weights
 tensor by tensor (torch.equal), the losses of steps 9-12 (rank 0's) and the validation loss, bit for bit.
-Without dropout (the example's default) and with dropout 0.1 (the RNG states must be restored too; an
-expected failure for now, see the parameter).
+Without dropout (the example's default) and with dropout 0.1 (the RNG states must be restored too: the
+example's restart passes ``load_rng_state=True``; without it this case fails).
 
 Fp32 ZeRO-2 (examples/configs/zero2.json), the tiny GPT on 50 kB of text, 32-byte windows: each run takes
 a few seconds of training; most of the time is starting processes. A run that hangs is killed after
@@ -113,7 +113,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dropout", [
     "0.0",
-    # dropout draws from torch's global RNG, which the checkpoint restores; the engine's loader has a
+    # dropout draws from torch's global RNG, which the load restores (load_rng_state); the engine's loader has a
     # generator of its own, so creating its iterator after load_checkpoint draws nothing from that RNG
     "0.1",
 ])

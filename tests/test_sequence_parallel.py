@@ -1,7 +1,8 @@
 """Sequence parallelism trains like the model without it: a tiny Llama (transformers, built from a config)
 through shardspeed with Ulysses or ring attention, against the same model in one process on the same global
-batch (token-mean loss per data replica, averaged over replicas; AdamW; clipped global norm). Losses and
-parameters within 1e-5 in fp32, on every rank (stage 3: the consolidated parameters on rank 0).
+batch (token-mean loss per data replica, averaged over replicas; AdamW; clipped global norm; the true
+gradient: ``sequence_parallel_gradients`` "mean"). Losses and parameters within 1e-5 in fp32, on every rank
+(stage 3: the consolidated parameters on rank 0).
 
 Registering replaces transformers' "sdpa" entry process-wide (DeepSpeed's behaviour): each rank computes its
 references before the first registration. The "ds_order" cases train in DeepSpeed's documented order:
@@ -72,7 +73,8 @@ def _cases(cases):
             else:
                 kw["register_with"] = C.llama(heads, kv, layers, seed=7)
             model = lambda heads=heads, kv=kv, layers=layers: C.llama(heads, kv, layers)  # noqa: E731
-        got = C.train_sp(model, C.config(stage, sp, **extra), steps, **kw)
+        # the true gradient ("mean"), which the clipped reference has (DeepSpeed's "sum": test_sp_grad_scale.py)
+        got = C.train_sp(model, C.config(stage, sp, **extra, sequence_parallel_gradients="mean"), steps, **kw)
         out[name] = dict(C.max_diff(got, ref), losses=got["losses"])
     shutil.rmtree(tmp)
     return out

@@ -279,7 +279,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     for name, t in view.other_params() + view.buffers():
         if name in present:
             need_range(name, WEIGHT, 0, t.numel())
-    if not module_only:
+    if not module_only:  # the RNG tensors too, restored or not: a corrupt byte anywhere refuses the load
         rec = meta.rng.get(str(view.rank)) or {}
         for k, crc in rec.get("tensors", {}).items():
             needed[(rank_file(view.rank), k)] = crc
@@ -293,13 +293,18 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, verify: bool = True,
-                    trust_pickles: bool = False) -> Tuple[Optional[str], Optional[dict]]:
+                    trust_pickles: bool = False, load_rng_state: bool = False) -> Tuple[Optional[str], Optional[dict]]:
     """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag
     was given. ``load_module_only`` loads the weights alone, as DeepSpeed does: the engine keeps its optimizer
     state, schedule, loss scaler, step counters, data-loader position and RNG; the saved ``global_steps``,
     ``global_samples`` and ``skipped_steps`` are returned in ``client_state`` (unless it has those keys).
+
+    ``load_rng_state``: also restore each rank's torch (CPU, CUDA), Python and numpy RNG states as saved by
+    the rank of the same number. Off by default, as DeepSpeed, which saves none: a resumed run then draws
+    what DeepSpeed's resumed run draws. On, a resume with dropout or random augmentation is bit-exact
+    (docs/checkpoints.md).
 
     All or nothing: every rank first verifies everything its load will use (the metadata's checksum, file
     sizes, header and ``common.pt`` CRCs and, with ``verify``, each tensor's CRC-32), the ranks agree on the
@@ -319,6 +324,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                 logger.warning("no 'latest' file in %s: nothing loaded", load_dir)
             return None, None
     with_optimizer = load_optimizer_states and not load_module_only
+    with_rng = load_rng_state and not load_module_only
     err = None
     checked: Optional[_Verified] = None
     try:
@@ -342,6 +348,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
             _load_optimizer(view, meta, index, reader, present)
         if not load_module_only:
             view.load_common_state(common, lr_scheduler=load_lr_scheduler_states)
+        if with_rng:
             _restore_rng(view, meta, reader)
     except Exception as exc:  # verified a moment ago: an I/O error, or the files changed under us
         err = (f"loading checkpoint {path} failed after it was verified ({type(exc).__name__}: {exc}); "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Tuple
+from typing import Any, Literal, Optional, Tuple
 
 import torch
 from pydantic import PrivateAttr, field_validator, model_validator
@@ -135,6 +135,11 @@ class ShardspeedConfig(ConfigModel):
     sequence_parallel_size: int = field(1, "DeepSpeed: Ulysses sequence-parallel size: ranks that split each "
                                         "sequence (the mesh's sequence dimension; ZeRO shards over data × "
                                         "sequence). See docs/long-context.md.", ge=1)
+    sequence_parallel_gradients: Literal["sum", "mean"] = field(
+        "sum", "shardspeed: how the sequence-parallel ranks' gradients combine. \"sum\" (DeepSpeed's): summed over "
+        "the sequence ranks and averaged over data, so gradients, their norm and clipping are P times the "
+        "true ones, as under DeepSpeed; \"mean\": averaged over data × sequence, the true gradient (a clipped "
+        "run then differs from DeepSpeed's). See docs/long-context.md.")
     managed_gradient_accumulation: bool = field(True, "DeepSpeed: false lets the client own the accumulation "
                                                 "boundary (only true is supported).", unsupported=True)
     gradient_allreduce_op: str = field("mean", "DeepSpeed: \"mean\" or \"sum\" (only \"mean\" is supported).",

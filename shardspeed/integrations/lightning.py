@@ -442,7 +442,8 @@ class ShardspeedStrategy(DDPStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         loaded, client_state = self.engine.load_checkpoint(
             path, load_module_strict=module.strict_loading, load_optimizer_states=fitting,
-            load_lr_scheduler_states=fitting, load_module_only=not fitting, trust_pickles=weights_only is False)
+            load_lr_scheduler_states=fitting, load_module_only=not fitting, trust_pickles=weights_only is False,
+            load_rng_state=fitting)  # Lightning keeps no RNG state of its own: dropout resumes exactly
         if loaded is None or client_state is None:
             raise CheckpointError(f"{path} holds no checkpoint (no 'latest' file)")
         return dict(client_state)

@@ -415,6 +415,7 @@ class ShardspeedTrainer(Trainer):
         if not os.path.isfile(os.path.join(path, "latest")):
             raise ValueError(f"Can't find a shardspeed checkpoint at {path} (no 'latest' file; was it saved with "
                              f"save_only_model=True?)")
+        # no load_rng_state: the Trainer restores its own rng_state_{rank}.pth files (_load_rng_state)
         load_path, _ = self.engine.load_checkpoint(path, load_module_strict=True, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if load_path is None:

@@ -4,6 +4,7 @@ from shardspeed.optim.builder import (
     DEEPSPEED_OPTIMIZER_NAMES,
     build_optimizer,
     rebuild_optimizer,
+    retarget_optimizer,
     torch_optimizer_classes,
 )
 from shardspeed.optim.lamb import Lamb
@@ -21,6 +22,7 @@ from shardspeed.optim.schedules import (
 __all__ = [
     "build_optimizer",
     "rebuild_optimizer",
+    "retarget_optimizer",
     "torch_optimizer_classes",
     "DEEPSPEED_OPTIMIZER_NAMES",
     "Lamb",

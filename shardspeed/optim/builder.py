@@ -35,7 +35,8 @@ from shardspeed.optim.lion import Lion
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_optimizer", "rebuild_optimizer", "DEEPSPEED_OPTIMIZER_NAMES", "torch_optimizer_classes"]
+__all__ = ["build_optimizer", "rebuild_optimizer", "retarget_optimizer", "DEEPSPEED_OPTIMIZER_NAMES",
+           "torch_optimizer_classes"]
 
 #: DeepSpeed names shardspeed builds itself (matched case-insensitively).
 DEEPSPEED_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
@@ -349,3 +350,16 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, param_groups: Sequence[M
             if k not in skip:
                 setattr(new, k, v)
         return new
+
+
+def retarget_optimizer(optimizer: torch.optim.Optimizer,
+                       param_groups: Sequence[Mapping[str, Any]]) -> torch.optim.Optimizer:
+    """``optimizer`` itself, now over new tensors: its ``param_groups`` and (empty) ``state`` become those of
+    :func:`rebuild_optimizer` over ``param_groups``; the object, its hooks and other attributes stay. So a
+    script's own reference is the optimizer the engine steps (DeepSpeed's ZeRO wrapper likewise rewrites
+    the user's optimizer's groups to point at its fp32 partitions): setting ``param_groups[i]["lr"]`` on it
+    changes the engine's learning rate."""
+    fresh = rebuild_optimizer(optimizer, param_groups)
+    optimizer.param_groups = fresh.param_groups
+    optimizer.state = fresh.state
+    return optimizer

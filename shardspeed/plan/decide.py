@@ -158,6 +158,7 @@ def sharding_plan(cfg: ShardspeedConfig, mesh: MeshPlan, pipelined: bool = False
         prefetch_bucket=int(z.prefetch_bucket_size), persistence_threshold=int(z.param_persistence_threshold),
         max_live_parameters=int(z.max_live_parameters),
         gather_16bit_weights_on_save=bool(z.gather_16bit_weights_on_model_save), zeropp=zeropp_plan(cfg, mesh),
+        summed_ranks=mesh.sequence if cfg.sequence_parallel_gradients == "sum" else 1,
     )
 
 

@@ -128,6 +128,9 @@ class ShardingPlan:
     max_live_parameters: int
     gather_16bit_weights_on_save: bool
     zeropp: ZeroPlusPlan = ZeroPlusPlan()
+    #: ranks of the reduce group whose gradients are summed, not averaged: the sequence ranks under
+    #: ``sequence_parallel_gradients`` "sum" (DeepSpeed divides by data only), else 1
+    summed_ranks: int = 1
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..moe.utils import has_moe_layers, largest_ep_size
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
 from ..offload.param_file import FilePlacement, NvmeParamFile
-from ..optim import build_optimizer, build_scheduler, rebuild_optimizer
+from ..optim import build_optimizer, build_scheduler, retarget_optimizer
 from ..parallel.tp.setup import TP_ARGS_ATTR, setup_tensor_parallel
 from ..pipe.module import PipelineModule
 from ..pipe.plan import plan_pipeline
@@ -110,7 +110,7 @@ def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimiz
             return build_optimizer(cfg.optimizer, full)
         if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
             return client_optimizer(full)
-        return rebuild_optimizer(client_optimizer, full)
+        return retarget_optimizer(client_optimizer, full)  # the user's object is the one stepped
 
     return make
 
@@ -254,7 +254,7 @@ def _reduce_policy(plan: Plan) -> ReducePolicy:
     zpp = sh.zeropp
     codec = BlockCodec(zpp.gradient_bits, zpp.block) if zpp.gradient_bits else None
     return ReducePolicy(ReduceOp(sh.reduce_op), sh.reduce_every_micro_step, sh.overlap, pr.accumulate, pr.reduce,
-                        pr.predivide_factor, grad_codec=codec)
+                        pr.predivide_factor, grad_codec=codec, summed_ranks=sh.summed_ranks)
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,

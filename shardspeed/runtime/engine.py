@@ -415,14 +415,15 @@ class Engine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, trust_pickles: bool = False):
+                        load_module_only: bool = False, trust_pickles: bool = False, load_rng_state: bool = False):
         """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``.
-        ``trust_pickles``: unpickle any class the checkpoint names (runs its code: only for files you trust)."""
+        ``trust_pickles``: unpickle any class the checkpoint names (runs its code: only for files you trust).
+        ``load_rng_state``: also restore every rank's RNG states (off: DeepSpeed's behaviour)."""
         self.wait_checkpoint()
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                               trust_pickles=trust_pickles)
+                               trust_pickles=trust_pickles, load_rng_state=load_rng_state)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

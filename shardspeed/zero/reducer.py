@@ -62,6 +62,9 @@ class ReducePolicy:
     predivide_factor: float = 1.0  # divide by this before the reduce, by world/this after
     #: ZeRO++'s qgZ: reduce-scatters become all-to-alls of these codes, summed in fp32 (the wire dtype is unused)
     grad_codec: Optional[BlockCodec] = None
+    #: ranks of the group whose gradients add up instead of averaging: the sum is divided by world / this
+    #: (DeepSpeed's sequence-parallel ranks: its gradients are the sum over them, the mean over data)
+    summed_ranks: int = 1
 
     @classmethod
     def for_stage(cls, stage: int, *, overlap: bool, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
@@ -84,6 +87,7 @@ class GradientReducer:
         self.comm = collectives
         self.policy = policy
         self.world = collectives.world
+        self.divisor = float(self.world) / policy.summed_ranks  # the reduced sum is divided by this
         self._grads = [UnitGrads(u) for u in self.units]
         # launch order: units with trainable parameters, in the units' order or as ``first_order()`` guesses a
         # backward produces them (asked at the first backward); re-learned from it (see _learn_order)
@@ -351,7 +355,7 @@ class GradientReducer:
         assert g.handle is not None and g.wire is not None and g.sending is not None
         g.handle.wait()
         g.handle = None
-        post = float(self.world) / self.policy.predivide_factor
+        post = self.divisor / self.policy.predivide_factor
         lo, hi = g.unit.layout.chunk_range(g.unit.rank)
         reduced = g.wire[lo:hi]  # all-reduce: every rank has the sum, this rank keeps its chunk
         bucket, g.sending, g.wire = g.sending, None, None
@@ -371,7 +375,7 @@ class GradientReducer:
     def _complete_group(self, grp: SmallUnitGroup) -> None:
         grp.handle.wait()
         row = grp.wire[grp.members[0].unit.rank]
-        scale = self.policy.predivide_factor / float(self.world)
+        scale = self.policy.predivide_factor / self.divisor
         for g, off, c in zip(grp.members, grp.offsets, grp.sizes):
             if g.result is None:
                 g.result = torch.zeros(c, dtype=self.policy.accum_dtype, device=g.unit.device)
