@@ -284,9 +284,9 @@ def _default_optimizers(base: str) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def default_results(tmp_path_factory):
+def default_results(tmp_path_factory, deepspeed_fused_adam):
     base = str(tmp_path_factory.mktemp("ds_default_opt"))
-    return run_distributed(_default_optimizers, 2, base, timeout=900)[0]
+    return run_distributed(_default_optimizers, 2, base, timeout=900, collective_timeout=300.0)[0]
 
 
 def test_deepspeeds_default_optimizers_continue(default_results):
@@ -311,7 +311,8 @@ def test_deepspeeds_default_optimizers_continue(default_results):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("ds_ckpt"))
-    return base, run_distributed(_world2, 2, base, timeout=600)[0]
+    # rank 0 runs DeepSpeed's ds_to_universal (a subprocess) while rank 1 waits at a barrier: minutes on a busy box
+    return base, run_distributed(_world2, 2, base, timeout=600, collective_timeout=300.0)[0]
 
 
 def _close(got: List[float], want: List[float], tol: float, what: str) -> None:
@@ -372,7 +373,7 @@ def test_loads_at_world_four_exactly(results):
     from shardspeed.checkpoint.metadata import CheckpointMetadata, EntryIndex, read_range
 
     base, r = results
-    paths = run_distributed(_world4, 4, base, timeout=600)[0]
+    paths = run_distributed(_world4, 4, base, timeout=600, collective_timeout=300.0)[0]
     for (s, t), path in zip(WORLD4_CASES, paths):
         meta = CheckpointMetadata.read(path)
         assert meta.world_size == 4 and meta.zero_stage == t

@@ -112,7 +112,7 @@ def _diff(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def test_resumed_run_equals_deepspeeds_resumed_run(tmp_path):
+def test_resumed_run_equals_deepspeeds_resumed_run(tmp_path, deepspeed_fused_adam):
     base = str(tmp_path)
     straight = run_distributed(_straight, 2, base, timeout=600)
     resumed = run_distributed(_resumed, 2, base, timeout=600)
