@@ -255,3 +255,20 @@ def test_bf16_units_with_fp32_masters_write_back(ranks):
             torch.testing.assert_close(b["master"][ui], exp, **TOL, msg=lambda m, u=ui: f"unit {u}: {m}")
             assert torch.equal(b["shard"][ui], b["master"][ui].to(torch.bfloat16)), f"unit {ui}: write-back"
             assert not torch.equal(b["master"][ui], b["init"][ui])
+
+
+def test_clip_factor_is_rounded_as_deepspeeds():
+    """DeepSpeed computes the clip factor in fp32 tensors: ZeRO 0 (``clip_grad_norm_``) clip / (norm + 1e-6),
+    ZeRO 1-3 (``unscale_and_clip_grads``) 1 / ((norm + 1e-6) / clip). 1.2384441 (a gradient norm of the MLP
+    of test_ds_resume) is a norm where the same factor in double rounds to another fp32 value."""
+    from shardspeed.zero.master import clip_factor
+
+    for norm in (1.2384440898895264, 1.5281740427017212, 0.3, 7.0):
+        for clip in (1.0, 0.5):
+            n = torch.tensor([norm], dtype=torch.float32)
+            stage0 = torch.min(torch.tensor([1.0]), torch.tensor([clip]) / (n + 1e-6))
+            stage12 = 1.0 / torch.clamp(((n / 1.0) + 1e-6) / clip, min=1.0)
+            assert clip_factor(norm, clip, False) == float(stage0), (norm, clip)
+            assert clip_factor(norm, clip, True) == float(stage12), (norm, clip)
+    double = min(1.0, 1.0 / (1.2384440898895264 + 1e-6))
+    assert float(torch.tensor(double, dtype=torch.float32)) != clip_factor(1.2384440898895264, 1.0, False)

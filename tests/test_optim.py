@@ -40,6 +40,7 @@ def test_adamw_ignores_adam_w_mode_and_torch_adam_keeps_torch_defaults():
     assert type(build_optimizer(cfg("ADAMW", adam_w_mode=False), params_([1.0]))) is torch.optim.AdamW
     opt = build_optimizer(cfg("AdamW", torch_adam=True), params_([1.0]))
     assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01  # torch's default
+    assert opt.defaults["fused"] is None and opt.defaults["foreach"] is None  # torch's kernel choice, as DeepSpeed
 
 
 def test_other_names():

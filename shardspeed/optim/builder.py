@@ -16,7 +16,9 @@ list 138.8 / 582.5 / 427.1 ms: slower everywhere, fused still 4-7x ahead. So fus
 every parameter is floating point and all sit on one device type the kernel supports. Otherwise nothing
 is forced: torch's default then picks foreach on CUDA and the per-tensor loop on CPU (on CPU the loop
 beat foreach for many tensors, and neither is consistently ahead for one flat tensor). ``fused`` or ``foreach``
-given in the config's params wins over this choice.
+given in the config's params wins over this choice, and so does ``torch_adam: true``, which asks for torch's
+Adam/AdamW exactly as DeepSpeed builds it: torch's own kernel choice, so that the steps equal DeepSpeed's bit
+for bit (torch's fused CPU kernel rounds the update differently from the loop, by an ulp).
 """
 
 from __future__ import annotations
@@ -257,8 +259,9 @@ def _resolve_class(type_name: str, key: str, params: Dict[str, Any]) -> Tuple[ty
                 "(torch's Adam always corrects bias): remove it"
             )
         cls: type = torch.optim.AdamW if (key == "adamw" or adam_w_mode) else torch.optim.Adam
-        if not torch_adam:
-            defaults = dict(_DS_ADAM_DEFAULTS)
+        # torch_adam: torch's class as DeepSpeed builds it, with torch's defaults and torch's kernel choice
+        # (the per-tensor loop on CPU, foreach on CUDA; fused rounds differently): not fused-first
+        defaults = dict(_DS_ADAM_DEFAULTS) if not torch_adam else {"fused": None}
     elif key == "lamb":
         cls = Lamb
         if params.pop("amsgrad", False):

@@ -55,6 +55,16 @@ def _counted_ranges(numel: int, skipped: List[Tuple[int, int]]) -> Optional[List
     return out
 
 
+def clip_factor(norm: float, clip: float, sharded: bool) -> float:
+    """The factor (<= 1) that clips gradients of global norm ``norm`` to ``clip``, rounded as DeepSpeed rounds
+    it, in fp32 arithmetic: ZeRO 0 ``clip / (norm + 1e-6)``; ZeRO 1-3 the reciprocal of ``(norm + 1e-6) / clip``.
+    The same factor computed in double differs by an ulp, and so do the clipped gradients."""
+    shifted = torch.tensor(norm, dtype=torch.float32) + 1e-6
+    if not sharded:
+        return min(1.0, float(torch.tensor(clip, dtype=torch.float32) / shifted))
+    return float(1.0 / torch.clamp(shifted / clip, min=1.0))
+
+
 def _full(unit: FlatParamUnit) -> torch.Tensor:
     """The full buffer of a stage 1-2 unit (always held there)."""
     assert unit.full is not None, f"unit {unit.index} has no full buffer"
@@ -194,7 +204,7 @@ class MasterWeights:
             return norm, None
         coef = 1.0 / loss_scale
         if clip > 0:
-            coef *= min(1.0, clip / (norm + 1e-6))
+            coef *= clip_factor(norm, clip, self.sharded)
         return norm, coef
 
     def step(self, loss_scale: float, clip: float) -> StepResult:
