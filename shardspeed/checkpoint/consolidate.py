@@ -23,7 +23,8 @@ from ..errors import CheckpointError
 from ..utils.safe_files import replacing
 from .commit import read_latest, resolve
 from .format import NAME_TO_DTYPE, LazyTensor, ShardReader, fsync_dir, write_bytes_atomic, write_safetensors
-from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, check_stored, entries_for, read_range
+from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, entries_for, read_range
+from .metadata_checks import check_files, check_stored
 
 logger = logging.getLogger("shardspeed")
 
@@ -63,7 +64,7 @@ def _out_dtype(stored: torch.dtype) -> torch.dtype:
 def _check_before_writing(meta: CheckpointMetadata, index: EntryIndex, reader: ShardReader, path: str) -> None:
     """Everything the export will read, before its first byte is written: every alias names a stored tensor,
     every tensor's weights are covered by entries whose stored tensors (their files' headers) match them in
-    length and dtype (:func:`~.metadata.check_stored`); with ``check_files``' bound on the tensor table, the
+    length and dtype (:func:`~.metadata_checks.check_stored`); with ``check_files``' bound on the tensor table, the
     output is no larger than what the checkpoint holds (in fp32)."""
     for alias, src in sorted(meta.aliases.items()):
         if src not in meta.tensors:
@@ -78,7 +79,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     """Write the checkpoint's model as fp32 safetensors in ``out_dir``; returns the files written."""
     path = find_checkpoint(ckpt_dir, tag)
     meta = CheckpointMetadata.read(path)
-    meta.check_files(path)
+    check_files(meta, path)
     limit = parse_size(max_shard_size)
     reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
     index = EntryIndex(meta.entries, meta.shapes)  # shapes: tensor-parallel slices map into full tensors

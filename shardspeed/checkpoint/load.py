@@ -20,11 +20,11 @@ from .metadata import (
     CheckpointMetadata,
     Entry,
     EntryIndex,
-    check_stored,
     entries_for,
     rank_file,
     read_range,
 )
+from .metadata_checks import check_files, check_stored
 from .slices import Spec
 from .unpickle import read_common
 
@@ -220,7 +220,7 @@ def _open(view: EngineView, load_dir: str, tag: str, verify: bool,
         return ds.path, ds.meta, ds.reader, ds.common
     path = resolve(load_dir, tag)
     meta = CheckpointMetadata.read(path)
-    meta.check_files(path)
+    check_files(meta, path)
     reader = ShardReader(path, verify=verify, header_crc32=meta.header_crc32())
     return path, meta, reader, read_common(path, meta, trust_pickles)
 

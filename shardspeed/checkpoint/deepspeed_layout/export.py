@@ -24,7 +24,8 @@ from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import check_tag, read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader, write_bytes_atomic
-from ..metadata import WEIGHT, CheckpointMetadata, EntryIndex, check_stored, read_range
+from ..metadata import WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from ..metadata_checks import check_files, check_stored
 from ..unpickle import read_common
 from .layout import save_pt, zero3_piece
 from .moe_export import ExpertPlan, Run, dense_layout, expert_plan, write_expert_files
@@ -43,7 +44,7 @@ class _Ours:
         self.tag = check_tag(tag)
         self.path = resolve(load_dir, tag)
         self.meta = CheckpointMetadata.read(self.path)
-        self.meta.check_files(self.path)
+        check_files(self.meta, self.path)
         self.reader = ShardReader(self.path, header_crc32=self.meta.header_crc32())
         self.index = EntryIndex(self.meta.entries, self.meta.shapes)
         check_stored(self.reader, self.meta.entries, self.meta.tensors)  # every entry is read: all checked first
