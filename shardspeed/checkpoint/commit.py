@@ -22,7 +22,7 @@ import uuid
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import CheckpointError
-from .format import fsync_dir, maybe_crash, write_bytes_atomic
+from .format import fsync_dir, is_plain_name, maybe_crash, write_bytes_atomic
 from .metadata import METADATA_FILE
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def check_tag(tag: object, where: str = "") -> str:
     leading/trailing whitespace (``latest`` is stripped when read, by us as by DeepSpeed, so such a tag
     could never be found again). ``where``: what the tag came from, for the message."""
     tag = str(tag)
-    bad = (not tag or tag in (".", "..", LATEST) or os.sep in tag or "/" in tag
-           or (os.altsep is not None and os.altsep in tag) or ".tmp-" in tag or ".old-" in tag
+    bad = (not is_plain_name(tag) or tag == LATEST or ".tmp-" in tag or ".old-" in tag
            or tag != tag.strip() or any(ord(c) < 32 or ord(c) == 127 for c in tag))
     if bad:
         src = f"{where} names an" if where else "an"
