@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..utils.direct_io import StreamWriter
-from ..utils.safe_files import create_new, write_atomic
+from ..utils.safe_files import create_new, fsync_path, write_atomic
 
 WRITE_CHUNK_BYTES = 64 << 20
 
@@ -143,16 +143,8 @@ class WrittenFile:
 
 
 def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """``fsync`` the folder ``path`` (:func:`~shardspeed.utils.safe_files.fsync_path`; refusals let be)."""
+    fsync_path(path, directory=True)
 
 
 def write_safetensors(path: str, items: Sequence[Tuple[str, Union[torch.Tensor, LazyTensor]]], metadata: Optional[Dict[str, str]] = None,

@@ -51,10 +51,12 @@ def reopen(path: str, fd: int, flags: int, opener: Callable[..., Optional[int]] 
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
-    """``fsync`` a file (or a folder) by name, without following a link; file systems that refuse it
-    for folders are let be."""
+    """``fsync`` a file by name without following a link, or a folder (``directory``: through a link, as the
+    user's save folder may be one; nothing is written through it); file systems that refuse it for
+    folders are let be."""
+    kind = getattr(os, "O_DIRECTORY", 0) if directory else _NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | kind)
     except OSError:
         if not directory:
             raise
