@@ -238,10 +238,13 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
     needed: Dict[Tuple[str, str], Optional[int]] = {}
     used: Dict[int, Entry] = {}  # the entries read, checked against their stored tensors
 
+    def need(e: Entry) -> None:
+        needed[(e.file, e.key)] = e.crc32
+        used[id(e)] = e
+
     def need_range(name: str, state: str, start: int, end: int) -> None:
         for e in entries_for(index, name, state, start, end, view.spec(name)):
-            needed[(e.file, e.key)] = e.crc32
-            used[id(e)] = e
+            need(e)
 
     if view.offloaded:
         for op in view.offloaded_pieces():
@@ -255,8 +258,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
         if with_optimizer:
             e = next((e for e in meta.entries if e.state == "step" and e.tensor in present), None)
             if e is not None and e.file:
-                needed[(e.file, e.key)] = e.crc32
-                used[id(e)] = e
+                need(e)
     else:
         for pieces in view.pieces():
             for pc in pieces:
@@ -270,8 +272,7 @@ def _verify(view: EngineView, load_dir: str, tag: str, strict: bool, with_optimi
                     if entries and entries[0].elementwise:
                         need_range(pc.name, sk, pc.start, pc.end)
                     elif entries and entries[0].file:
-                        needed[(entries[0].file, entries[0].key)] = entries[0].crc32
-                        used[id(entries[0])] = entries[0]
+                        need(entries[0])
     for frozen in view.frozen_pieces():
         for name, start, end, _ in frozen:
             if name in present:
