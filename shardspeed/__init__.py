@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Tuple
 
 from . import checkpointing, comm, zero
+from .compat.alias import module_getattr
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
 from .mesh.init import init_distributed, shutdown_distributed
 from .parallel.tp.setup import tp_model_init
@@ -56,3 +57,6 @@ __all__ = [
     "initialize", "init_distributed", "shutdown_distributed", "ShardspeedError", "ConfigError", "DistributedError",
     "CheckpointError", "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
 ]
+
+# a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``)
+__getattr__ = module_getattr(__name__)

@@ -22,3 +22,12 @@ class CheckpointError(ShardspeedError, RuntimeError):
 
 class LossScaleError(ShardspeedError, RuntimeError):
     """Dynamic loss scaling cannot continue (overflow at the minimum scale)."""
+
+
+class NotProvidedError(ShardspeedError, AttributeError):
+    """A DeepSpeed name that shardspeed's ``deepspeed`` compatibility does not provide (an AttributeError, so
+    ``hasattr`` probes still answer False)."""
+
+
+class NotProvidedModuleError(ShardspeedError, ModuleNotFoundError):
+    """A DeepSpeed module that shardspeed's ``deepspeed`` compatibility does not provide."""

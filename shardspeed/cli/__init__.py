@@ -57,9 +57,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardspeed", description="ZeRO-sharded training for PyTorch, drop-in for DeepSpeed configs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate,convert,plot}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,env,estimate,autotune,consolidate,convert,plot,deepspeed-path}")
     for command in (run, env, estimate, consolidate, convert, plot, autotune):
         command.add_parser(sub)
+    env.add_path_parser(sub)
     return parser
 
 

@@ -16,6 +16,15 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _deepspeed_row() -> str:
+    """Which ``deepspeed`` an ``import deepspeed`` here would get: shardspeed's package or an installed one."""
+    from ..compat import active, site_path
+
+    if active():
+        return f"{_version('deepspeed')} (shardspeed's package: {site_path()})"
+    return _version("deepspeed")
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -26,7 +35,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         ("shardspeed", _version("shardspeed")),
         ("torch", torch.__version__),
         ("pydantic", _version("pydantic")),
-        ("deepspeed", _version("deepspeed")),
+        ("deepspeed", _deepspeed_row()),
         ("cpus", f"{os.cpu_count()} (torch threads {torch.get_num_threads()})"),
         ("cuda available", str(torch.cuda.is_available())),
         ("cuda version", str(torch.version.cuda)),
@@ -54,3 +63,17 @@ def _cmd_env(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="print versions and the devices and backends available")
     p.set_defaults(func=_cmd_env)
+
+
+def _cmd_deepspeed_path(args: argparse.Namespace) -> int:
+    from ..compat import site_path
+
+    print(os.path.join(site_path(), "bin") if args.bin else site_path())
+    return 0
+
+
+def add_path_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("deepspeed-path", help="print the folder that makes `import deepspeed` resolve to shardspeed "
+                       "(put it first on PYTHONPATH; --bin: the folder holding a `deepspeed` command, for PATH)")
+    p.add_argument("--bin", action="store_true", help="the folder of the `deepspeed` launcher command instead")
+    p.set_defaults(func=_cmd_deepspeed_path)
