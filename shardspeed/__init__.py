@@ -58,5 +58,20 @@ __all__ = [
     "CheckpointError", "LossScaleError", "__version__", "checkpointing", "comm", "zero", "tp_model_init",
 ]
 
-# a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``)
-__getattr__ = module_getattr(__name__)
+from .runtime.arguments import add_config_arguments  # noqa: E402  (DeepSpeed's top-level name)
+
+__all__ += ["add_config_arguments"]
+
+# a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``);
+# DeepSpeedEngine is the engine class, imported when first asked for (the engine's import is not cheap)
+_LAZY = {"DeepSpeedEngine": ("shardspeed.runtime.engine", "Engine")}
+_missing = module_getattr(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    return _missing(name)

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -128,6 +128,39 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: Optional[str] = None, max_shar
     reader.close()
     logger.info("consolidated %s into %d file(s) in %s (%.1f MB)", path, n, out_dir, total / 2**20)
     return [os.path.join(out_dir, f) for f in files]
+
+
+def fp32_state_dict(save_dir: str, tag: Optional[str] = None,
+                    exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+    """The model of checkpoint ``save_dir/tag`` (``latest`` when ``tag`` is None) in memory, floating-point tensors
+    in fp32 (the master copy of trained parameters), buffers included, tied names sharing one tensor: ours or
+    DeepSpeed's (ZeRO 0-3, universal), as DeepSpeed's ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
+    gives it. ``exclude_frozen_parameters``: leave out parameters that were not trained."""
+    from .deepspeed_layout import is_deepspeed_dir, open_deepspeed
+
+    tag = tag if tag is not None else read_latest(save_dir)
+    if tag is None:
+        raise CheckpointError(f"{save_dir} has no 'latest' file; pass tag= (the checkpoint's folder name)")
+    reader: Any
+    if is_deepspeed_dir(os.path.join(save_dir, tag)):
+        src = open_deepspeed(save_dir, tag)
+        assert src is not None
+        meta, reader = src.meta, src.reader
+    else:
+        path = resolve(save_dir, tag)
+        meta = CheckpointMetadata.read(path)
+        check_files(meta, path)
+        reader = ShardReader(path, verify=True, header_crc32=meta.header_crc32())
+    index = EntryIndex(meta.entries, meta.shapes)
+    out: Dict[str, torch.Tensor] = {}
+    for name, info in meta.tensors.items():
+        if exclude_frozen_parameters and info.kind == "frozen":
+            continue
+        dt = _out_dtype(NAME_TO_DTYPE[info.dtype])
+        out[name] = read_range(reader, index, name, WEIGHT, 0, info.numel, dtype=dt).view(info.shape)
+    out.update({alias: out[src_name] for alias, src_name in sorted(meta.aliases.items()) if src_name in out})
+    reader.close()
+    return out
 
 
 def load_consolidated(out_dir: str) -> Dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
+from .base_optimizer import mark_engine_optimizer
 from .parts import EngineParts, move_inputs, no_move_error
 from .reporting import StepReport, memory_breakdown
 
@@ -41,6 +42,7 @@ class Engine(nn.Module):
         self._modules["module"] = parts.module  # registered: nn.Module methods recurse into it
         self.__dict__["module"] = parts.module  # and a plain attribute, so self.module skips __getattr__
         self.optimizer = parts.master.optimizer
+        mark_engine_optimizer(self.optimizer)  # isinstance(engine.optimizer, DeepSpeedOptimizer)
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
         self.config = parts.config
@@ -498,3 +500,6 @@ class Engine(nn.Module):
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
         return memory_breakdown(self._p, self.device)
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name: isinstance(engine, deepspeed.DeepSpeedEngine) passes

@@ -1,5 +1,19 @@
-"""DeepSpeed-compatible utility modules (``shardspeed.utils.groups`` mirrors ``deepspeed.utils.groups``) and
-``RepeatingLoader`` (``deepspeed.utils.RepeatingLoader``)."""
+"""DeepSpeed-compatible utilities (``shardspeed.utils`` mirrors ``deepspeed.utils``): ``RepeatingLoader``,
+``logger`` / ``log_dist`` (:mod:`.logging`), ZeRO-3 leaf modules (:mod:`.z3_leaf_module`), ``groups`` and
+``zero_to_fp32`` (submodules). A DeepSpeed name not provided here fails with the one-line error."""
+from ..compat.alias import module_getattr
+from .logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from .repeating import RepeatingLoader
+from .z3_leaf_module import (
+                             get_z3_leaf_modules,
+                             set_z3_leaf_module,
+                             set_z3_leaf_modules,
+                             unset_z3_leaf_modules,
+                             z3_leaf_module,
+                             z3_leaf_parameter,
+)
 
-__all__ = ["RepeatingLoader"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "log_dist_once", "logger", "set_log_level_from_string",
+           "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+
+__getattr__ = module_getattr(__name__)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
+from ..utils.z3_leaf_module import z3_leaf_module
 from .placement import DevicePlacement, ShardPlacement
 from .stage3 import ParamManager
 from .tags import init_shard_of, tag_unit
@@ -32,7 +33,8 @@ def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, Lis
     a larger one is split among its children, and what is left under it (its own parameters and children
     smaller than ``max_numel / 8``) becomes its unit. Containers (ModuleList/ModuleDict) are never called,
     so they never own a unit. Each parameter appears once: tied parameters go to the first unit that
-    reaches them. A unit's owner is always a module whose forward runs, which is what gathers it.
+    reaches them. A unit's owner is always a module whose forward runs, which is what gathers it. A module
+    flagged as a ZeRO-3 leaf (:func:`shardspeed.utils.set_z3_leaf_modules`) is one unit whatever its size.
     """
     claimed: set = set()
     units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
@@ -57,7 +59,8 @@ def select_units(module: nn.Module, max_numel: int) -> List[Tuple[nn.Module, Lis
         if not params:
             return
         container = isinstance(m, _CONTAINERS)
-        if m is not module and not container and (size <= max_numel or not any(True for _ in m.children())):
+        small = size <= max_numel or not any(True for _ in m.children())
+        if m is not module and not container and (small or z3_leaf_module(m)):  # a leaf: one unit, any size
             take(m, params)
             return
         for child in m.children():

@@ -1,0 +1,7 @@
+"""``deepspeed.runtime.activation_checkpointing.checkpointing``: the module :mod:`shardspeed.checkpointing`
+itself (``deepspeed.checkpointing`` is the same module in DeepSpeed), registered under this name too."""
+import sys
+
+from ... import checkpointing as _checkpointing
+
+sys.modules[__name__] = _checkpointing
