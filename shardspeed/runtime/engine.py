@@ -14,13 +14,14 @@ from ..checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from ..checkpoint.export import gathered_state_dict
 from ..checkpoint.stateful import CheckpointParts, LoaderPosition, RNGState, TrainingCounters, as_stateful
 from ..comm.collectives import Collectives, CommsLogger
+from ..compat.alias import module_getattr
 from ..errors import ShardspeedError
 from ..mesh.topology import Topology
 from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
-from .base_optimizer import mark_engine_optimizer
+from .compat_links import link_engine
 from .parts import EngineParts, move_inputs, no_move_error
 from .reporting import StepReport, memory_breakdown
 
@@ -42,7 +43,7 @@ class Engine(nn.Module):
         self._modules["module"] = parts.module  # registered: nn.Module methods recurse into it
         self.__dict__["module"] = parts.module  # and a plain attribute, so self.module skips __getattr__
         self.optimizer = parts.master.optimizer
-        mark_engine_optimizer(self.optimizer)  # isinstance(engine.optimizer, DeepSpeedOptimizer)
+        link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
         self.config = parts.config
@@ -503,3 +504,4 @@ class Engine(nn.Module):
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name: isinstance(engine, deepspeed.DeepSpeedEngine) passes
+__getattr__ = module_getattr(__name__)  # DeepSpeed's other names here: the one-line error
