@@ -126,7 +126,8 @@ def _parse_text(name: str, text: str) -> Any:
     try:
         return hjson.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
     except (ValueError, OverflowError) as e:  # HjsonDecodeError is a ValueError; a huge unquoted number overflows
-        detail = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, hjson.HjsonDecodeError) else str(e)
+        detail = (f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, hjson.HjsonDecodeError)
+                  else "a number is out of range" if isinstance(e, OverflowError) else str(e))
         raise ConfigError(f"config file '{name}' is not valid JSON: {where} (nor hjson: {detail})") from None
 
 

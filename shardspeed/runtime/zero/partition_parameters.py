@@ -1,0 +1,38 @@
+"""``deepspeed.runtime.zero.partition_parameters``: the names of DeepSpeed's module that callers read.
+
+``ZeroParamStatus`` is what a parameter's ``ds_status`` holds (TRL gathers those not ``AVAILABLE``).
+transformers' ``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor`` while it
+builds a model under ``zero.Init`` and compares against ``_orig_torch_arange``: shardspeed's ``Init`` wraps
+no tensor constructor (a parameter is sharded when it is registered), so the wrapper returns the constructor
+unchanged and swapping it changes nothing.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+
+from ...compat.alias import module_getattr
+from ...zero import GatheredParameters, Init
+
+
+class ZeroParamStatus(Enum):
+    """A ZeRO-3 parameter's state, DeepSpeed's values: its data is a placeholder, being gathered, or whole."""
+
+    NOT_AVAILABLE = 1
+    INFLIGHT = 2
+    AVAILABLE = 3
+
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, *args: Any, **kwargs: Any) -> Callable:
+    """``fn`` itself: shardspeed's ``zero.Init`` changes no tensor constructor's dtype or device."""
+    return fn
+
+
+__all__ = ["ZeroParamStatus", "Init", "GatheredParameters", "zero_wrapper_for_fp_tensor_constructor"]
+
+__getattr__ = module_getattr(__name__)
