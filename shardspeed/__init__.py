@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Tuple
 
 from . import checkpointing, comm, zero
+from .comm import init_distributed  # DeepSpeed's signature (dist_backend=, timedelta timeout; backend= too)
 from .compat.alias import module_getattr
 from .errors import CheckpointError, ConfigError, DistributedError, LossScaleError, ShardspeedError
-from .mesh.init import init_distributed, shutdown_distributed
+from .mesh.init import shutdown_distributed
 from .parallel.tp.setup import tp_model_init
 
 __version__ = "0.1.0"

@@ -116,8 +116,9 @@ def test_buckets_gathered_units_and_startup_by_hand():
 def test_bad_sizes_raise_config_errors():
     with pytest.raises(ConfigError, match="tp"):
         estimate_peak(_spec(1e6), _cfg(1), world_size=6, tp=4)
-    with pytest.raises(ConfigError, match="stage 3"):
-        estimate_peak(_spec(1e6), _cfg(1, offload_param={"device": "cpu"}), world_size=2)
+    # offload_param below stage 3 is ignored, as DeepSpeed ignores it
+    assert estimate_peak(_spec(1e6), _cfg(1, offload_param={"device": "cpu"}), world_size=2) == \
+        estimate_peak(_spec(1e6), _cfg(1), world_size=2)
     with pytest.raises(ConfigError, match="activations"):
         estimate_peak(ModelSpec("m", (10,), (10,)), _cfg(1), world_size=1)
 

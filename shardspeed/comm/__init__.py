@@ -15,16 +15,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ..errors import ConfigError
 from ..mesh.init import init_distributed as _init_distributed
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: Optional[int] = None, verbose: bool = True, timeout: Any = None,
                      init_method: Optional[str] = None, dist_init_required: Optional[bool] = None,
-                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
-    """Create the default process group if there is none (DeepSpeed's signature; see
-    :func:`shardspeed.init_distributed`). ``timeout`` may be a ``timedelta`` or seconds. MPI discovery,
-    ``distributed_port``, ``rank`` and ``world_size`` are read from torchrun's environment variables instead."""
+                     config: Any = None, rank: int = -1, world_size: int = -1,
+                     backend: Optional[str] = None) -> None:
+    """Create the default process group if there is none (DeepSpeed's signature, also
+    ``shardspeed.init_distributed``; see :func:`shardspeed.mesh.init_distributed`). ``timeout`` may be a
+    ``timedelta`` or seconds. MPI discovery, ``distributed_port``, ``rank`` and ``world_size`` are read from
+    torchrun's environment variables instead. ``backend`` is shardspeed's older name of ``dist_backend``."""
+    if backend is not None and dist_backend is not None and backend != dist_backend:
+        raise ConfigError(f"init_distributed(dist_backend={dist_backend!r}, backend={backend!r}): the same "
+                          "setting twice with two values; give dist_backend only")
+    dist_backend = dist_backend if dist_backend is not None else backend
     if dist_init_required is False:
         return
     if rank >= 0 and world_size > 0:

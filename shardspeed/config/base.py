@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -108,8 +108,8 @@ class ConfigModel(BaseModel):
                 data[name] = data.pop(alias)
         for key in data:
             if key not in cls.model_fields:
-                close = difflib.get_close_matches(key, cls.accepted_keys(), n=1, cutoff=0.6)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
+                close = close_key(key, cls.accepted_keys())
+                hint = f"; did you mean '{close}'?" if close else ""
                 raise PydanticCustomError("unknown_key", "unknown key '{key}'{hint}", {"key": key, "hint": hint})
         for key, value in list(data.items()):
             if isinstance(value, str) and value == "auto":
@@ -124,6 +124,12 @@ class ConfigModel(BaseModel):
                         "'{key}' is \"auto\", which shardspeed cannot derive: the caller (e.g. the Hugging "
                         "Face Trainer) must fill in a value before passing the config", {"key": key})
         return data
+
+
+def close_key(key: str, accepted: List[str]) -> Optional[str]:
+    """The accepted key ``key`` is most likely a misspelling of, or None."""
+    close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _json(value: Any) -> str:

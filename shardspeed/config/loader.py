@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from shardspeed.errors import ConfigError
 
-from .base import ConfigModel, field_marker
+from .base import ConfigModel, close_key, field_marker
 from .batch import resolve_batch_sizes
 from .models import ShardspeedConfig
 
@@ -68,6 +68,7 @@ def parse_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfi
             config = read_json(config)
         if not isinstance(config, dict):
             raise ConfigError(f"a config must be a dict, a path or a ShardspeedConfig, got {type(config).__name__}")
+        config = drop_unread_keys(config)
         model = validate(config)
         _warn_ignored(model, "")
     given = tuple(getattr(model, key) for key in _BATCH_KEYS)
@@ -83,8 +84,10 @@ def parse_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfi
 
 
 def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    """Read a JSON config file; a missing or unreadable file, bad JSON, duplicate keys, text that is not UTF-8,
-    or JSON nested too deeply for Python's parser raise `ConfigError`."""
+    """Read a config file: JSON, or hjson as DeepSpeed also reads (comments, unquoted keys and strings,
+    trailing commas; needs the optional `hjson` package, tried only when the text is not JSON). A missing or
+    unreadable file, bad syntax, duplicate keys, text that is not UTF-8, or nesting too deep for the parser
+    raise `ConfigError`."""
     name = os.fspath(path)
     if os.path.isdir(name):
         raise ConfigError(f"config file '{name}' is a directory: give the path of a JSON file")
@@ -92,10 +95,8 @@ def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise ConfigError(f"config file '{name}' does not exist")
     try:
         with open(name, encoding="utf-8") as f:
-            data = json.load(f, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config file '{name}' is not valid JSON: {e.msg} at line {e.lineno}, "
-                          f"column {e.colno}") from None
+            text = f.read()
+        data = _parse_text(name, text)
     except _DuplicateKey as e:
         raise ConfigError(f"config file '{name}' has the key '{e.args[0]}' twice in one object") from None
     except UnicodeDecodeError as e:
@@ -109,6 +110,25 @@ def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{name}' must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def _parse_text(name: str, text: str) -> Any:
+    """JSON; when the text is not JSON, hjson (DeepSpeed's reader) if it is installed."""
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} at line {e.lineno}, column {e.colno}"
+    try:
+        import hjson  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except ImportError:
+        raise ConfigError(f"config file '{name}' is not valid JSON: {where} (DeepSpeed also reads hjson files: "
+                          "`pip install hjson` to load one)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
+    except (ValueError, OverflowError) as e:  # HjsonDecodeError is a ValueError; a huge unquoted number overflows
+        detail = (f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, hjson.HjsonDecodeError)
+                  else "a number is out of range" if isinstance(e, OverflowError) else str(e))
+        raise ConfigError(f"config file '{name}' is not valid JSON: {where} (nor hjson: {detail})") from None
 
 
 class _DuplicateKey(Exception):
@@ -224,9 +244,35 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
+def drop_unread_keys(config: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` without the top-level keys DeepSpeed's parser never reads, with one warning naming them:
+    dotted keys (``"zero_optimization.reduce_bucket_size"``, as TRL writes: they set nothing, in DeepSpeed
+    too) and names that are no misspelling of a key. A close misspelling (``"gradient_clippin"``) stays an
+    error, and so does an unknown key inside a block (as in DeepSpeed's ``zero_optimization``)."""
+    read = ShardspeedConfig.read_keys()
+    known = set(read)
+    dotted = [k for k in config if isinstance(k, str) and k not in known and "." in k]
+    foreign = [k for k in config if isinstance(k, str) and k not in known and "." not in k
+               and close_key(k, ShardspeedConfig.accepted_keys()) is None]
+    if not dotted and not foreign:
+        return config
+    parts = []
+    if dotted:
+        parts.append(f"{', '.join(repr(k) for k in dotted)} (a dotted key sets nothing; nest it to set it, e.g. "
+                     f"{{\"{dotted[0].split('.')[0]}\": {{\"{dotted[0].split('.', 1)[1]}\": ...}}}})")
+    if foreign:
+        parts.append(f"{', '.join(repr(k) for k in foreign)} (not a DeepSpeed key)")
+    logger.warning("ignoring top-level config keys DeepSpeed does not read either: %s", "; ".join(parts))
+    return {k: v for k, v in config.items() if k not in dotted and k not in foreign}
+
+
 def _warn_ignored(model: BaseModel, path: str) -> None:
-    """Log a warning for each accepted-but-ignored key set to a non-default value."""
+    """Log a warning for each accepted-but-ignored key set to a non-default value, and each block's own note
+    (``ignored_note``: e.g. ``offload_param`` below stage 3)."""
     cls = type(model)
+    note = getattr(model, "ignored_note", None)
+    if note:
+        logger.warning("%s%s", f"{path}: " if path else "", note)
     for name, info in cls.model_fields.items():
         value = getattr(model, name)
         if isinstance(value, ConfigModel):
@@ -237,4 +283,4 @@ def _warn_ignored(model: BaseModel, path: str) -> None:
                            _join(path, name), _show(value))
 
 
-__all__ = ["load_config", "parse_config", "read_json", "validate", "check_shape", "format_error", "resolve_batch_sizes"]
+__all__ = ["load_config", "parse_config", "read_json", "validate", "drop_unread_keys", "check_shape", "format_error", "resolve_batch_sizes"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Tuple
+from typing import Any, List, Literal, Optional, Tuple
 
 import torch
 from pydantic import PrivateAttr, field_validator, model_validator
@@ -164,6 +164,17 @@ class ShardspeedConfig(ConfigModel):
                     raise PydanticCustomError("rejected_key", "'{key}': {reason}",
                                               {"key": key, "reason": _NOT_IMPLEMENTED})
         return data
+
+    @classmethod
+    def read_keys(cls) -> List[str]:
+        """Every top-level key this model reads: fields, aliases, refused keys and unimplemented blocks."""
+        return cls.accepted_keys() + list(cls.REJECTED) + list(_UNIMPLEMENTED_BLOCKS)
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_means_never(cls, value: Any) -> Any:
+        """accelerate writes ``float("inf")`` to silence DeepSpeed's progress lines: never print."""
+        return None if isinstance(value, float) and value == float("inf") else value
 
     @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod

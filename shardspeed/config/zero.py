@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .base import AUTO_DEFAULT, ConfigModel, field
@@ -80,6 +80,10 @@ class ZeroConfig(ConfigModel):
 
     ALIASES = {**{f"stage3_{name}": name for name in _STAGE3_PREFIXED},
                "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save"}
+
+    #: The device of an ``offload_param`` block given below stage 3, which is dropped (DeepSpeed ignores it
+    #: there); the loader warns about it once.
+    _dropped_offload_param: Optional[str] = PrivateAttr(default=None)
 
     stage: int = field(0, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; "
                        "3: also parameters. A JSON number (\"2\" is refused); \"auto\" means 0, as in "
@@ -187,15 +191,24 @@ class ZeroConfig(ConfigModel):
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         param_offloaded = self.offload_param is not None and self.offload_param.device != "none"
-        if param_offloaded and self.stage != 3:
-            raise PydanticCustomError("stage", "offload_param needs stage 3 (stage is {stage}); use "
-                                      "offload_optimizer at stages 1-2", {"stage": self.stage})
+        if param_offloaded and self.stage != 3:  # DeepSpeed reads offload_param only at stage 3
+            assert self.offload_param is not None
+            self._dropped_offload_param = self.offload_param.device
+            object.__setattr__(self, "offload_param", None)
         opt = self.offload_optimizer
         if opt is not None and opt.device != "none" and self.stage == 0:
             raise PydanticCustomError("stage", "offload_optimizer needs stage 1, 2 or 3 (stage is 0)", {})
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             raise PydanticCustomError("stage", "offload_optimizer.ratio < 1 needs stage 3", {})
         return self
+
+    @property
+    def ignored_note(self) -> Optional[str]:
+        """What the loader warns about: an ``offload_param`` block dropped below stage 3, or None."""
+        if self._dropped_offload_param is None:
+            return None
+        return (f"'offload_param' (device \"{self._dropped_offload_param}\") is ignored at stage {self.stage}, as "
+                "DeepSpeed ignores it: parameters are offloaded only at stage 3 (use offload_optimizer at stages 1-2)")
 
     @property
     def offload_optimizer_device(self) -> str:

@@ -44,6 +44,8 @@ def peak_rows(spec: ModelSpec, base: Dict[str, Any], *, world_size: int, stages:
     for stage in stages:
         for optim, param in offloads or OFFLOADS:
             try:
+                if param != "none" and stage != 3:  # a config may carry it (ignored, as DeepSpeed): not a row
+                    raise ConfigError(f"offload_param needs stage 3 (stage is {stage})")
                 est = estimate_peak(spec, config_for(base, stage, optim, param), world_size=world_size, **kwargs)
             except ConfigError as e:  # a contradiction of this pair (or of every pair: raised below)
                 first = first or e

@@ -32,7 +32,7 @@ from ..pipe.ties import TiedGradients, build_tie_groups
 from ..plan import LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
-from ..zero.init import init_shard_of
+from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
@@ -43,6 +43,7 @@ from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .engine import Engine
 from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
+from .forward_engine import ForwardEngine
 from .parts import EngineParts
 from .pipeline_engine import PipelineEngine
 from .sequence_parallel.attention_check import check_attention_on_first_forward
@@ -148,6 +149,7 @@ def build_engine(
     """Assemble an engine: the plan (:func:`shardspeed.plan.decide`) decides, this function builds its parts."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_deepspeed_partitioned(model)  # DeepSpeed's own zero.Init placeholders: one line, not a bad forward
     if dist_init_required is not False:
         init_distributed()
     user_topo = _user_topology(mpu)
@@ -157,7 +159,7 @@ def build_engine(
                                 sequence=user_topo.sequence_size)
                   if user_topo is not None else None)
     cfg = load_config(parsed, world_size=plan.mesh.batch_world)
-    _check_optimizer(cfg, optimizer)
+    forward_only = _check_optimizer(cfg, optimizer, lr_scheduler)
     topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims,
                                            sequence=plan.mesh.sequence, expert=plan.mesh.expert)
     comms_logger = build_comms_logger(cfg.comms_logger)
@@ -177,11 +179,15 @@ def build_engine(
     comms_logger.reset()
 
     params, group_of = _trainable_in_grad_order(model, groups)
-    if not params:
+    if forward_only:  # nothing to train: no flat units (stages 0-2), no masters; stage 3 still shards
+        params, group_of = [], {}
+    elif not params:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     timers = Timers(cfg.wall_clock_breakdown, topo.device)
     units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
-    master = _master_weights(plan, units, reducer, collectives, group_of, _optimizer_factory(cfg, groups, optimizer))
+    master = _master_weights(plan, units, reducer, collectives, group_of,
+                             (lambda _groups: None) if forward_only else _optimizer_factory(cfg, groups, optimizer),
+                             forward_only)
     if manager is not None:  # GatheredParameters' edits of a shard reach the masters
         manager.add_shard_listener(master.refresh_from_shard)
     parts = EngineParts(
@@ -206,7 +212,7 @@ def build_engine(
         tied = TiedGradients(ties, master.units, plan.precision.accumulate) if ties else None
         engine = PipelineEngine(parts, dataclasses.replace(pipe_plan, tied=tied))
     else:
-        engine = Engine(parts)
+        engine = ForwardEngine(parts) if forward_only else Engine(parts)
         check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
     ds_groups.set_topology(topo)
     if cfg.dump_state and engine.global_rank == 0:
@@ -235,18 +241,21 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       ep_size=largest_ep_size(model) if has_moe_layers(model)[0] else None)
 
 
-def _check_optimizer(cfg: ShardspeedConfig, optimizer) -> None:
-    """Exactly one optimizer: the config's block or ``optimizer=``."""
+def _check_optimizer(cfg: ShardspeedConfig, optimizer, lr_scheduler) -> bool:
+    """At most one optimizer: the config's block or ``optimizer=``. Returns True when there is none (a
+    forward-only engine, as DeepSpeed builds for inference), which then takes no LR schedule."""
     if cfg.optimizer is None and optimizer is None:
-        raise ConfigError(
-            "no optimizer: add an 'optimizer' block to the config (e.g. {\"type\": \"AdamW\", \"params\": "
-            "{\"lr\": 1e-3}}) or pass optimizer= to shardspeed.initialize"
-        )
+        if cfg.scheduler is not None or lr_scheduler is not None:
+            raise ConfigError("an LR schedule without an optimizer: add an 'optimizer' block to the config (e.g. "
+                              "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}) or pass optimizer=, or drop "
+                              "the schedule for a forward-only engine")
+        return True
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError(
             f"two optimizers: the config's 'optimizer' block ({cfg.optimizer.type}) and optimizer= "
             f"({type(optimizer).__name__}); keep one"
         )
+    return False
 
 
 def _reduce_policy(plan: Plan) -> ReducePolicy:
@@ -288,12 +297,13 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
 
 
 def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Collectives, group_of: Dict[int, int],
-                    make_optimizer) -> MasterWeights:
-    """fp32 masters and the optimizer: on the device, or (offload_optimizer) on the host or in files."""
+                    make_optimizer, forward_only: bool = False) -> MasterWeights:
+    """fp32 masters and the optimizer: on the device, or (offload_optimizer) on the host or in files; none of
+    either for a forward-only engine."""
     sh, pl = plan.sharding, plan.placement
     kwargs: Dict[str, Any] = dict(sharded=sh.partition_optimizer, gather_after_step=sh.gather_after_step,
                                   check_overflow=plan.precision.check_overflow)
-    if pl.optimizer == "device":
+    if pl.optimizer == "device" or forward_only:
         return MasterWeights(units, reducer, collectives, group_of, make_optimizer, **kwargs)
     offload = OffloadPlan(device="cpu" if pl.optimizer == "host" else "nvme", nvme_path=pl.optimizer_path,
                           buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,

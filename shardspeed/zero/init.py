@@ -382,3 +382,15 @@ def warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None:
                 stacklevel=3,
             )
             return
+
+
+def refuse_deepspeed_partitioned(module: nn.Module) -> None:
+    """Refuse a model whose parameters the real DeepSpeed's ``zero.Init`` partitioned (they carry ``ds_tensor``
+    and hold empty placeholders that shardspeed cannot gather), naming the first such parameter."""
+    for name, p in module.named_parameters():
+        if hasattr(p, "ds_tensor") and init_shard_of(p) is None and unit_of(p) is None:
+            raise ShardspeedError(
+                f"parameter '{name}' was partitioned by DeepSpeed's own zero.Init (it has ds_id/ds_tensor and holds an "
+                "empty placeholder), which shardspeed cannot gather: build the model under shardspeed.zero.Init, or "
+                "put shardspeed's deepspeed package first on the path (export PYTHONPATH=\"$(shardspeed "
+                "deepspeed-path):$PYTHONPATH\") so that transformers' HfDeepSpeedConfig calls shardspeed's")

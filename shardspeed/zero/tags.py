@@ -45,6 +45,17 @@ def init_shard_of(p: torch.Tensor) -> Optional[InitShard]:
 def tag_init_shard(p: torch.Tensor, info: InitShard) -> None:
     """Record that ``zero.Init`` sharded ``p``: ``info`` holds this rank's slice."""
     setattr(p, INIT_TAG, info)
+    set_ds_attributes(p, info.shape)
+
+
+def set_ds_attributes(p: torch.Tensor, shape) -> None:
+    """DeepSpeed's read-only attributes of a partitioned parameter, which callers read instead of the
+    placeholder's shape: ``ds_shape`` / ``ds_numel`` (peft's LoRA layers, the Hugging Face Trainer's parameter
+    count) and ``ds_id`` (unique while the parameter lives). Kept when a unit takes the parameter."""
+    if getattr(p, "ds_shape", None) is None:
+        p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
+        p.ds_numel = p.ds_shape.numel()  # type: ignore[attr-defined]
+        p.ds_id = id(p)  # type: ignore[attr-defined]
 
 
 def clear_init_shard(p: torch.Tensor) -> None:
@@ -64,6 +75,7 @@ def unit_of(p: torch.Tensor) -> Optional[UnitTag]:
 def tag_unit(p: torch.Tensor, unit: ShardedParamUnit, param_index: int, manager: ParamManager) -> None:
     """Record that ``p`` is ``unit.params[param_index]`` of stage-3 ``unit``, gathered by ``manager``."""
     setattr(p, UNIT_TAG, UnitTag(unit, param_index, manager))
+    set_ds_attributes(p, unit.shapes[param_index])
 
 
 def clear_unit(p: torch.Tensor) -> None:

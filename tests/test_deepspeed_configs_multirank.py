@@ -1,0 +1,68 @@
+"""Configs DeepSpeed accepts, at world 2 against the real DeepSpeed (tests/ds_config_worker.py under torchrun,
+once with DeepSpeed and once with shardspeed's ``deepspeed`` package, run side by side): TRL's
+``prepare_deepspeed`` reference model (dotted keys, no optimizer, frozen or not, stage 3 or forced 0), an hjson
+file with ``offload_param`` below stage 3: logits exactly equal (fp32). Also: a model partitioned by DeepSpeed's
+own zero.Init is refused by shardspeed with one line; transformers' from_pretrained under HfDeepSpeedConfig
+loads the checkpoint's weights through shardspeed's zero.Init."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardspeed.compat import site_path
+from tests.distributed import free_port
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_worker.py")
+
+
+def _launch(out: str, ours: bool) -> subprocess.Popen:
+    repo = os.path.dirname(os.path.dirname(WORKER))
+    path = os.pathsep.join(([site_path()] if ours else []) + [repo])
+    env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, out]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("trl")
+    out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
+    procs = {name: _launch(folder, name == "ours") for name, folder in out.items()}
+    for name, proc in procs.items():
+        log, _ = proc.communicate(timeout=480)
+        assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
+    loaded = {}
+    for name, folder in out.items():
+        with open(os.path.join(folder, "checks.json")) as f:
+            loaded[name] = (torch.load(os.path.join(folder, "logits.pt")), json.load(f))
+    return loaded
+
+
+def test_trl_reference_model_and_hjson_config_give_deepspeeds_logits(runs):
+    real, ours = runs["real"][0], runs["ours"][0]
+    assert sorted(real) == sorted(ours) and len(real) == 2 * 9
+    for key in real:
+        assert torch.equal(ours[key], real[key]), (key, (ours[key] - real[key]).abs().max())
+    assert [int(ours[f"trl_ref_z{s}_frozen_stage_rank0"]) for s in (3, 2)] == [3, 0]
+    assert runs["real"][1]["optimizer"] == runs["ours"][1]["optimizer"] == "None"
+
+
+def test_parameters_partitioned_by_deepspeeds_zero_init_are_refused_at_initialize(runs):
+    kind, message = runs["real"][1]["refused"]
+    assert kind == "ShardspeedError"
+    assert message.startswith("parameter '0.weight' was partitioned by DeepSpeed's own zero.Init")
+    assert "build the model under shardspeed.zero.Init" in message and "shardspeed deepspeed-path" in message
+
+
+def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint(runs):
+    checks = runs["ours"][1]
+    if checks["from_pretrained"][0] == "skipped":
+        pytest.skip(f"transformers' ZeRO-3 loader needs deepspeed.accelerator: {checks['from_pretrained'][1]}")
+    assert checks["from_pretrained"] == ["loaded", [], 28] and checks["ds_sizes"]
