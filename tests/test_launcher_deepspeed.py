@@ -224,9 +224,14 @@ for _ in range(4):
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())
+try:  # Lightning passes exclude_frozen_parameters; only False is provided
+    engine.save_checkpoint("ckpt", tag="checkpoint", exclude_frozen_parameters=True)
+    refused = None
+except AttributeError as e:
+    refused = str(e)
 with open(f"{args.out}.rank{rank}.json", "w") as f:
     json.dump({"losses": losses, "world": world, "local_rank": args.local_rank, "argv": sys.argv[1:],
-               "deepspeed": deepspeed.__file__, "env": {k: os.environ.get(k) for k in ("DS_TEST_VAR", "DS_HOME_ONLY")}},
+               "deepspeed": deepspeed.__file__, "refused": refused, "env": {k: os.environ.get(k) for k in ("DS_TEST_VAR", "DS_HOME_ONLY")}},
               f)
 """
 
@@ -283,6 +288,9 @@ def test_deepspeed_command_gives_local_rank_and_the_package(ds_chat):
         assert got["argv"] == [f"--local_rank={rank}", "--out", "single"]
         assert got["deepspeed"].startswith(site_path())  # `import deepspeed` was shardspeed's package
         assert got["env"] == {"DS_TEST_VAR": None, "DS_HOME_ONLY": None}  # one node: .deepspeed_env not read
+        assert got["refused"] == ("shardspeed's deepspeed compatibility does not provide "
+                                  "deepspeed.DeepSpeedEngine.save_checkpoint(exclude_frozen_parameters=True)")
+    assert not (tmp / "ckpt").exists()
 
 
 def test_two_agents_from_a_hostfile_equal_one_node(ds_chat):
@@ -293,5 +301,5 @@ def test_two_agents_from_a_hostfile_equal_one_node(ds_chat):
         assert two[rank]["losses"] == pytest.approx(single[rank]["losses"], abs=1e-6)
         assert two[rank]["env"] == {"DS_TEST_VAR": "cwd", "DS_HOME_ONLY": "yes"}
     assert single[0]["losses"] != single[1]["losses"]  # the ranks saw different data
-    assert "node 0 of 2 (localhost, 1 processes)" in outs[0][1]
-    assert "node 1 of 2 (127.0.0.1, 1 processes)" in outs[1][1]
+    assert "node 0 of 2 (localhost, 1 process)" in outs[0][1]
+    assert "node 1 of 2 (127.0.0.1, 1 process)" in outs[1][1]

@@ -316,7 +316,8 @@ def _multi_node(launch: Launch, found: Dict[str, str], active: OrderedDict[str, 
                 "--master-port", given.get("--master-port", DEFAULT_MASTER_PORT)]
     launch.env.update(_visible_devices(slots, machine.environ))
     launch.env.update(read_env_file(env_file_paths(machine.cwd, machine.home, machine.environ)))
-    launch.note = (f"shardspeed run: node {rank} of {len(hosts)} ({hosts[rank]}, {len(slots)} processes); run the "
+    procs = f"{len(slots)} process" + ("es" if len(slots) != 1 else "")
+    launch.note = (f"shardspeed run: node {rank} of {len(hosts)} ({hosts[rank]}, {procs}); run the "
                    f"same command on every host of {hostfile}: shardspeed starts no remote process")
 
 
