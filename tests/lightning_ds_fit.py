@@ -14,8 +14,9 @@ moved to ``cpu:1`` is on the CPU as before). Nothing else of Lightning is touche
 script) nothing is patched and the accelerator is CUDA.
 
 Each fit writes ``OUT_DIR/s<stage>.rank<r>.json``: ``rows`` (per batch ``[global_step, batch_idx, loss]``), what
-the engine is, and after fit, the fp32 weights that ``get_fp32_state_dict_from_zero_checkpoint`` reads back from
-the ``ModelCheckpoint`` file (a folder saved by ``engine.save_checkpoint(tag="checkpoint")``).
+the engine is, after fit the fp32 weights that ``get_fp32_state_dict_from_zero_checkpoint`` reads back from the
+last ``ModelCheckpoint`` file (a folder saved by ``engine.save_checkpoint(tag="checkpoint")``), and
+``resumed_rows``: a new fit from the epoch-0 checkpoint (``engine.load_checkpoint``), i.e. the second epoch again.
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
+def _trainer(stage, callbacks):
+    return L.Trainer(strategy=f"deepspeed_stage_{stage}", accelerator="cpu" if PATCH else "cuda", devices=DEVICES,
+                     max_epochs=2, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                     logger=False)
+
+
 def fit(out_dir, stage):
     import deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -82,17 +89,21 @@ def fit(out_dir, stage):
     L.seed_everything(0, verbose=False)
     rec = Record(os.path.join(out_dir, f"s{stage}"))
     ckpt_dir = os.path.join(out_dir, f"s{stage}_ckpt")
-    trainer = L.Trainer(strategy=f"deepspeed_stage_{stage}", accelerator="cpu" if PATCH else "cuda", devices=DEVICES,
-                        max_epochs=2, callbacks=[rec, ModelCheckpoint(dirpath=ckpt_dir, filename="last")],
-                        enable_progress_bar=False, enable_model_summary=False, logger=False)
+    saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    trainer = _trainer(stage, [rec, saver])
     trainer.fit(Net(), loader())
     engine = trainer.strategy.model
     out = {"rows": rec.rows, "engine": type(engine).__module__ + "." + type(engine).__name__,
            "is_engine": isinstance(engine, deepspeed.DeepSpeedEngine), "deepspeed": deepspeed.__version__}
     trainer.strategy.barrier()
     if trainer.global_rank == 0:
-        sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
+        sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(ckpt_dir, "epoch=1.ckpt"))
         out["fp32"] = {k: v.flatten().tolist() for k, v in sorted(sd.items())}
+    # resume from the epoch-0 checkpoint (engine.load_checkpoint under Lightning's strategy): the second epoch again
+    L.seed_everything(0, verbose=False)
+    again = Record(os.path.join(out_dir, f"s{stage}_resume"))
+    _trainer(stage, [again]).fit(Net(), loader(), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
+    out["resumed_rows"] = again.rows
     with open(os.path.join(out_dir, f"s{stage}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -1,7 +1,8 @@
 """Lightning's own ``Trainer(strategy="deepspeed_stage_2")`` and ``"deepspeed_stage_3"``, unchanged, with ``import
 deepspeed`` resolving to shardspeed's package: 2 CPU ranks give real DeepSpeed's per-batch losses (fp32, 1e-5) and
 the same fp32 weights read back by ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
-from the checkpoint Lightning's ``ModelCheckpoint`` saved (``engine.save_checkpoint(path, tag="checkpoint")``).
+from the checkpoint Lightning's ``ModelCheckpoint`` saved (``engine.save_checkpoint(path, tag="checkpoint")``),
+and ``fit(ckpt_path=<the epoch-0 checkpoint>)`` repeats the second epoch exactly.
 
 Lightning refuses a CPU accelerator for its DeepSpeed strategy; tests/lightning_ds_fit.py ``--patch-cpu-check``
 removes that CUDA-only check and nothing else (its docstring says exactly what), for both runs alike. The
@@ -68,11 +69,16 @@ def test_losses_and_weights_equal_deepspeed(runs, stage):
             assert abs(gl - wl) <= 1e-5, (stage, rank, gs, gl, wl)
         losses = [r[2] for r in ours["rows"]]
         assert sum(losses[8:]) < 0.5 * sum(losses[:8])  # it trained
+        # fit(ckpt_path=<epoch-0 checkpoint>) runs the second epoch again, exactly
+        assert ours["resumed_rows"] == ours["rows"][8:]
+        assert len(real["resumed_rows"]) == 8
+        for (gs, gb, gl), (ws, wb, wl) in zip(ours["resumed_rows"], real["resumed_rows"]):
+            assert (gs, gb) == (ws, wb) and abs(gl - wl) <= 1e-5
     ours, real = _load(runs, "ours", stage, 0)["fp32"], _load(runs, "real", stage, 0)["fp32"]
     assert sorted(ours) == sorted(real) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight",
                                             "net.4.bias", "net.4.weight"]
     for name in ours:
         assert max(abs(a - b) for a, b in zip(ours[name], real[name])) <= 1e-5, name
     # Lightning's checkpoint is the engine's save folder, tag "checkpoint" (its `latest` names it)
-    saved = runs / "ours" / f"s{stage}_ckpt" / "last.ckpt"
+    saved = runs / "ours" / f"s{stage}_ckpt" / "epoch=1.ckpt"
     assert (saved / "latest").read_text().strip() == "checkpoint" and (saved / "checkpoint").is_dir()
