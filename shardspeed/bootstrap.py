@@ -1,7 +1,9 @@
 """The worker side of ``shardspeed run``, and the launcher's summary of what the workers reported.
 
 ``shardspeed run`` has torchrun start each worker as ``python -u .../shardspeed/bootstrap.py script.py
-[args]`` (``... bootstrap.py --module pkg.mod [args]`` for torchrun's ``-m``). The bootstrap is run as a file,
+[args]`` (``... bootstrap.py --module pkg.mod [args]`` for torchrun's ``-m``; ``--no-python program [args]``
+execs a program). A DeepSpeed-style launch puts ``--local-rank-arg`` first: the script then gets
+``--local_rank=N`` right after its name, as DeepSpeed's launcher gives it (:func:`worker_argv`). The bootstrap is run as a file,
 not with ``-m shardspeed.bootstrap``, so that nothing but the standard library is imported before the
 script (``import shardspeed`` imports torch). It runs the script as ``python script.py`` would
 (``__main__``, ``sys.argv``, ``sys.path[0]`` the script's directory) and, when ``SHARDSPEED_ERROR_DIR``
@@ -44,6 +46,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple  # noqa: E402
 #: Where the workers write their error records (set by ``shardspeed run``; unset: the bootstrap catches nothing).
 ERROR_DIR_ENV = "SHARDSPEED_ERROR_DIR"
 TRACEBACK_LOG = "tracebacks.log"
+#: First argument of a DeepSpeed-style launch (``--as-deepspeed``, the ``deepspeed`` command): the worker's argv
+#: gets ``--local_rank=$LOCAL_RANK`` after the script, as under DeepSpeed's launcher.
+LOCAL_RANK_ARG = "--local-rank-arg"
 
 
 def _attempt() -> int:
@@ -128,15 +133,35 @@ def _error_wait() -> float:
         return 3.0
 
 
+def worker_argv(argv: Sequence[str], local_rank: Optional[int]) -> List[str]:
+    """The worker's command line: the bootstrap's arguments (``[--module | --no-python] target [args]``) with,
+    when ``local_rank`` is given, ``--local_rank=N`` right after the target, as DeepSpeed's launcher passes it."""
+    args = list(argv)
+    if local_rank is None:
+        return args
+    at = 2 if args and args[0] in ("--module", "--no-python") else 1
+    return [*args[:at], f"--local_rank={local_rank}", *args[at:]]
+
+
 def _run(argv: Sequence[str]) -> None:
+    argv = list(argv)
+    if argv and argv[0] == LOCAL_RANK_ARG:  # DeepSpeed-style launch: the script gets --local_rank=N
+        argv = worker_argv(argv[1:], _env_int("LOCAL_RANK", 0))
+    if argv and argv[0] in ("--module", "--no-python") and len(argv) < 2:
+        raise SystemExit(f"shardspeed bootstrap: {argv[0]} needs a name")
+    if argv and argv[0] == "--no-python":  # a program, not a Python script: this process becomes it
+        try:
+            os.execvp(argv[1], argv[1:])
+        except OSError as e:
+            print(f"shardspeed bootstrap: cannot run {argv[1]!r}: {e.strerror}", file=sys.stderr)
+            raise SystemExit(127) from None
     if argv and argv[0] == "--module":
-        if len(argv) < 2:
-            raise SystemExit("shardspeed bootstrap: --module needs a module name")
         sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
     if not argv:
-        raise SystemExit("usage: python shardspeed/bootstrap.py script.py [args] | --module name [args]")
+        raise SystemExit("usage: python shardspeed/bootstrap.py [--local-rank-arg] script.py [args] | --module name "
+                         "[args] | --no-python program [args]")
     script = os.path.abspath(argv[0])  # Python >= 3.9 gives __main__ an absolute __file__
     if not os.path.exists(script):  # as Python says it (and its exit status 2)
         print(f"{os.path.basename(sys.executable)}: can't open file {script!r}: [Errno 2] No such file or directory",

@@ -31,6 +31,14 @@ def torchrun_option_arity() -> dict[str, int]:
     return arity
 
 
+def command_option_arity() -> dict[str, int]:
+    """Every option ``shardspeed run`` accepts before the script (torchrun's, DeepSpeed's launcher options,
+    ``--nproc``) -> how many values follow it: how to find the script among them."""
+    from .ds_options import option_arity
+
+    return {**torchrun_option_arity(), **option_arity(), "--nproc": 1}
+
+
 def canonical_option(option: str) -> str:
     """``--nproc_per_node`` → ``--nproc-per-node`` (torchrun accepts both spellings)."""
     return "--" + option[2:].replace("_", "-") if option.startswith("--") else option
@@ -96,7 +104,7 @@ def build_torchrun_argv(argv: Sequence[str]) -> list[str]:
 def take_options(argv: Sequence[str], names: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """Our own ``--name value`` options (before the script, among torchrun's) taken out of the arguments."""
     args, found, i = list(argv), {}, 0
-    arity = {**torchrun_option_arity(), "--nproc": 1}
+    arity = command_option_arity()
     while i < len(args) and args[i].startswith("-") and args[i] != "--":
         name, eq, value = args[i].partition("=")
         if name in names:
@@ -114,7 +122,7 @@ def take_options(argv: Sequence[str], names: Sequence[str]) -> tuple[dict[str, s
 def take_flag(argv: Sequence[str], flag: str) -> tuple[bool, list[str]]:
     """Our own flag ``flag`` (before the script, among torchrun's options) taken out of the arguments."""
     args, i, found = list(argv), 0, False
-    arity = {**torchrun_option_arity(), "--nproc": 1}
+    arity = command_option_arity()
     while i < len(args) and args[i].startswith("-") and args[i] != "--":
         name, eq, _ = args[i].partition("=")
         if name == flag:

@@ -11,18 +11,28 @@ instead of printing it on every rank; the launcher prints one line per distinct 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import uuid
-from typing import Sequence
+from typing import Dict, Iterator, Sequence
 
-from .args import UsageError, build_torchrun_argv, canonical_option, take_flag, take_options, torchrun_option_arity
+from .args import (
+    UsageError,
+    build_torchrun_argv,
+    canonical_option,
+    command_option_arity,
+    take_flag,
+    take_options,
+    torchrun_option_arity,
+)
+from .ds_options import Launch, resolve, take_deepspeed_options, this_machine
 
 _RUN_USAGE = """\
 usage: shardspeed run [--nproc N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
                       [--rdzv-endpoint H:P] [--max-restarts K] [--full-tracebacks] [other torchrun options]
-                      [--] script.py [script args ...]
+                      [--as-deepspeed] [DeepSpeed's launcher options] [--] script.py [script args ...]
 
 Launch script.py on N processes per node with torchrun (torch.distributed.run). Any torchrun option
 is accepted before the script; everything after the script goes to the script. On a single node with
@@ -32,6 +42,16 @@ A shardspeed error (ConfigError, ...) that stops the workers is printed once per
 the number of ranks that raised it, and the tracebacks go to a log file whose path is printed; other
 exceptions print their tracebacks as usual. --full-tracebacks (or SHARDSPEED_TRACEBACK=1): every rank
 prints its own traceback, as under torchrun.
+
+DeepSpeed's launcher options are accepted too: --num_gpus N, --num_nodes N, --hostfile F (lines 'host
+slots=N'), --include/--exclude 'host:0,1@host2', --master_addr, --master_port, --node_rank, --module,
+--no_python, --no_local_rank, --enable_each_rank_log DIR. A hostfile with several hosts is a multi-node job:
+run the same command on every host; each finds its node rank in the hostfile (or give --node_rank) and
+joins a static rendezvous at the first host (--master_addr) on --master_port (29500). shardspeed starts no
+remote process: --launcher openmpi/slurm/..., --ssh_port, --launcher_args, --venv_script, --save_pid and
+core binding are not provided. --as-deepspeed (what the `deepspeed` command of `shardspeed deepspeed-path
+--bin` runs): `import deepspeed` in the workers is shardspeed's package, each script gets --local_rank=N
+(unless --no_local_rank), with every local GPU by default, and a multi-node job exports .deepspeed_env.
 """
 
 def _isolate_restarts(torchrun_argv: Sequence[str]) -> None:
@@ -98,7 +118,11 @@ def launch_command(argv: Sequence[str]) -> int:
     try:
         opts, argv = take_options(argv, ("--model", "--seq-len"))
         full_tracebacks, argv = take_flag(argv, "--full-tracebacks")
-        torchrun_argv = build_torchrun_argv(argv)
+        as_deepspeed, argv = take_flag(argv, "--as-deepspeed")
+        launch = deepspeed_launch(argv, as_deepspeed)
+        torchrun_argv = build_torchrun_argv(launch.argv)
+        if launch.local_rank_arg and _wrap_in_bootstrap(torchrun_argv, True) is None:
+            raise UsageError("--run-path cannot give the script --local_rank: drop it, or add --no_local_rank")
     except UsageError as e:
         print(f"shardspeed run: error: {e}", file=sys.stderr)
         return 2
@@ -112,26 +136,60 @@ def launch_command(argv: Sequence[str]) -> int:
         return 2
     full_tracebacks = full_tracebacks or env.full_tracebacks()
     _isolate_restarts(torchrun_argv)
-    with tempfile.TemporaryDirectory(prefix="shardspeed-rdzv-") as rdzv_dir:
-        return _launch(_loopback_rendezvous(torchrun_argv, rdzv_dir), full_tracebacks)
+    if launch.note:
+        print(launch.note, file=sys.stderr)
+    with _environment(launch.env), tempfile.TemporaryDirectory(prefix="shardspeed-rdzv-") as rdzv_dir:
+        return _launch(_loopback_rendezvous(torchrun_argv, rdzv_dir), full_tracebacks, launch.local_rank_arg)
 
 
-def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
+def deepspeed_launch(argv: Sequence[str], as_deepspeed: bool = False) -> Launch:
+    """DeepSpeed's launcher options among ``argv`` mapped onto torchrun's (:mod:`.ds_options`); with
+    ``as_deepspeed``, the workers' ``import deepspeed`` finds shardspeed's package (its folder first on their
+    ``PYTHONPATH``) and their scripts get ``--local_rank=N``."""
+    arity = command_option_arity()
+    found, rest = take_deepspeed_options(argv, arity)
+    machine = this_machine()
+    launch = resolve(found, rest, arity, machine, deepspeed_style=as_deepspeed)
+    if as_deepspeed:
+        from ..compat import site_path
+
+        paths = launch.env.get("PYTHONPATH", machine.environ.get("PYTHONPATH", ""))
+        launch.env["PYTHONPATH"] = os.pathsep.join([site_path(), *(p for p in paths.split(os.pathsep) if p)])
+    return launch
+
+
+@contextlib.contextmanager
+def _environment(updates: Dict[str, str]) -> Iterator[None]:
+    """``updates`` in this process's environment (the workers inherit it) while the job runs."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _wrap_in_bootstrap(torchrun_argv: Sequence[str], local_rank_arg: bool = False) -> list[str] | None:
     """torchrun's argv with the script run by :mod:`shardspeed.bootstrap` (which records a ShardspeedError
-    instead of printing it), or None where it cannot be: ``--no-python`` (the script is a program) and
-    ``--run-path`` (torchrun runs it in its own interpreter). torchrun's ``-m`` becomes the bootstrap's."""
+    instead of printing it), or None where it cannot be: ``--run-path`` (torchrun runs it in its own
+    interpreter), and ``--no-python`` unless ``local_rank_arg`` (then the bootstrap execs the program, with
+    ``--local_rank=N``). torchrun's ``-m`` becomes the bootstrap's ``--module``."""
     from .. import bootstrap
 
     arity, head, i = torchrun_option_arity(), [], 0
     args = list(torchrun_argv)
-    module = False
+    mode: list[str] = []
     while i < len(args) and args[i].startswith("-"):
         name, eq, _ = args[i].partition("=")
         canon = canonical_option(name)
-        if canon in ("--no-python", "--run-path"):
+        if canon == "--run-path" or (canon == "--no-python" and not local_rank_arg):
             return None
-        if canon == "--module" or name == "-m":
-            module = True
+        if canon in ("--module", "--no-python") or name == "-m":
+            mode = ["--no-python" if canon == "--no-python" else "--module"]
             i += 1
             continue
         n = 1 if eq or arity.get(name, 0) == 0 else 2
@@ -140,7 +198,8 @@ def _wrap_in_bootstrap(torchrun_argv: Sequence[str]) -> list[str] | None:
     if i >= len(args):
         return None
     script = os.path.realpath(bootstrap.__file__)
-    return [*head, script, *(["--module"] if module else []), *args[i:]]
+    first = [bootstrap.LOCAL_RANK_ARG] if local_rank_arg else []
+    return [*head, script, *first, *mode, *args[i:]]
 
 
 def _script_name(torchrun_argv: Sequence[str]) -> str:
@@ -151,9 +210,10 @@ def _script_name(torchrun_argv: Sequence[str]) -> str:
     return torchrun_argv[i] if i < len(torchrun_argv) else "?"
 
 
-def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
+def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False, local_rank_arg: bool = False) -> int:
     """Run torchrun; print a ShardspeedError the workers raised once per distinct (type, message), with the
-    ranks it was raised on, and its tracebacks into a log file (see :mod:`shardspeed.bootstrap`)."""
+    ranks it was raised on, and its tracebacks into a log file (see :mod:`shardspeed.bootstrap`). With
+    ``local_rank_arg`` the bootstrap gives each script ``--local_rank=N`` (even with ``full_tracebacks``)."""
     import logging
     import shutil
 
@@ -163,10 +223,10 @@ def _launch(torchrun_argv: Sequence[str], full_tracebacks: bool = False) -> int:
     from .. import bootstrap
 
     script = _script_name(torchrun_argv)
-    wrapped = None if full_tracebacks else _wrap_in_bootstrap(torchrun_argv)
-    if wrapped is None:  # as torchrun alone: every rank prints its own traceback
+    wrapped = None if full_tracebacks and not local_rank_arg else _wrap_in_bootstrap(torchrun_argv, local_rank_arg)
+    if wrapped is None or full_tracebacks:  # as torchrun alone: every rank prints its own traceback
         try:
-            torchrun_main(list(torchrun_argv))
+            torchrun_main(list(wrapped or torchrun_argv))
         except ChildFailedError as e:
             codes = [f.exitcode for f in e.failures.values() if f.exitcode]
             print(f"shardspeed run: {script} failed (exit codes {codes or '?'})", file=sys.stderr)

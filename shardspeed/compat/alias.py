@@ -89,7 +89,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 raise NotProvidedModuleError(f"shardspeed's deepspeed compatibility does not provide {fullname}",
                                              name=fullname) from None
             raise
-        spec = importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=getattr(module, "__file__", None),
+                                              is_package=hasattr(module, "__path__"))
         spec.loader_state = ours
         return spec
 
@@ -98,6 +99,13 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module is shardspeed's, imported by :meth:`find_spec`."""
+
+    def get_code(self, fullname: str) -> Any:
+        """The code of the shardspeed module, for ``python -m deepspeed.X`` (runpy runs it as ``__main__``)."""
+        ours = _TARGET + fullname[len(_PREFIX):]
+        spec = importlib.util.find_spec(ours)
+        loader = getattr(spec, "loader", None)
+        return loader.get_code(ours) if loader is not None and hasattr(loader, "get_code") else None
 
 
 def install() -> None:

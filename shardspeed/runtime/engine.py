@@ -410,9 +410,15 @@ class Engine(nn.Module):
         )
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, async_save: Optional[bool] = None) -> str:
+                        save_latest: bool = True, async_save: Optional[bool] = None,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save the full training state, sharded, under ``{save_dir}/{tag}`` (atomic); every rank calls it.
-        ``async_save`` (None: ``checkpoint.async_save``): write and commit in the background (docs/checkpoints.md)."""
+        ``async_save`` (None: ``checkpoint.async_save``): write and commit in the background (docs/checkpoints.md).
+        ``exclude_frozen_parameters`` (DeepSpeed's; Lightning passes it): only False, the whole model is saved."""
+        if exclude_frozen_parameters:
+            from ..compat.alias import not_provided
+
+            raise not_provided("deepspeed.DeepSpeedEngine.save_checkpoint(exclude_frozen_parameters=True)")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                async_save=self._p.async_save if async_save is None else async_save)
 
