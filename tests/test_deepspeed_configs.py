@@ -4,6 +4,7 @@ parser never reads (TRL's dotted keys), ``offload_param`` below stage 3, acceler
 ``init_distributed`` signature. The numbers against real DeepSpeed: tests/test_deepspeed_configs_multirank.py."""
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import math
@@ -85,6 +86,17 @@ def test_huge_integer_in_hjson_is_refused_by_range(tmp_path):
     path = tmp_path / "long.hjson"
     path.write_text("{\"train_batch_size\": 2, zero_optimization: {\"reduce_bucket_size\": " + "7" * 5000 + "}}")
     assert _error(path).startswith("zero_optimization.reduce_bucket_size = 777777777777... (5000 digits) is out")
+
+
+def test_base64_config_string_as_deepspeed_accepts_it(tmp_path):
+    """DeepSpeedConfig's third form: a URL-safe base64 string of the config text (JSON or hjson)."""
+    for text in (json.dumps(AS_DICT), HJSON):
+        encoded = base64.urlsafe_b64encode(text.encode()).decode()
+        assert load_config(encoded, world_size=2) == load_config(AS_DICT, world_size=2)
+    deep = base64.urlsafe_b64encode(('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}").encode()).decode()
+    assert _error(deep) == "the base64 config string is nested too deeply for a config (at most 64 levels)"
+    assert _error("ds_config.json") == "config file 'ds_config.json' does not exist"  # not base64: a missing path
+    assert _error(base64.urlsafe_b64encode(b"[1]").decode()) == "config file 'WzFd' does not exist"
 
 
 # ---- keys DeepSpeed never reads ---------------------------------------------------------------------------
