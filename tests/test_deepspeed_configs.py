@@ -183,6 +183,7 @@ def _forward_only_cases():
             out[(stage, frozen)] = dict(
                 equal=torch.equal(got, expected), optimizer=optimizer, scheduler=scheduler, errors=errors,
                 training=engine.training, held=sum(p.numel() for p in model.parameters()))
+    out["ds_attributes"] = _ds_attributes()
     try:
         shardspeed.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}})
@@ -191,8 +192,36 @@ def _forward_only_cases():
     return out
 
 
+def _ds_attributes():
+    """DeepSpeed's attributes on parameters built by shardspeed's zero.Init and then held by a stage-3 engine:
+    full sizes, and ds_status following the gathers."""
+    from shardspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with shardspeed.zero.Init():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    params = list(model.parameters())
+    seen = {"built": [(tuple(p.ds_shape), p.ds_numel, p.ds_status) for p in params]}
+    with shardspeed.zero.GatheredParameters(params):
+        seen["gathered_loose"] = {p.ds_status for p in params}
+    engine, *_ = shardspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    seen["engine"] = {p.ds_status for p in params}
+    with shardspeed.zero.GatheredParameters(params[:2]):
+        seen["gathered_unit"] = [p.ds_status for p in params]
+    seen["after"] = {p.ds_status for p in params}
+    seen["ids"] = len({p.ds_id for p in params})
+    seen["expected"] = ZeroParamStatus
+    return seen
+
+
 def test_initialize_without_optimizer_builds_a_forward_only_engine():
     for result in run_distributed(_forward_only_cases, 2):
+        ds = result.pop("ds_attributes")
+        status = ds["expected"]
+        assert ds["built"] == [((32, 8), 256, status.NOT_AVAILABLE), ((32,), 32, status.NOT_AVAILABLE),
+                               ((4, 32), 128, status.NOT_AVAILABLE), ((4,), 4, status.NOT_AVAILABLE)]
+        assert ds["gathered_loose"] == {status.AVAILABLE} and ds["engine"] == ds["after"] == {status.NOT_AVAILABLE}
+        assert ds["gathered_unit"][:2] == [status.AVAILABLE] * 2 and ds["ids"] == 4
         assert result.pop("scheduler_error").startswith("an LR schedule without an optimizer: add an 'optimizer'")
         for (stage, frozen), r in result.items():
             assert r["equal"] and r["optimizer"] is None and r["scheduler"] is None and not r["training"], (stage, r)

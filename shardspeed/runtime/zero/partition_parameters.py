@@ -1,6 +1,7 @@
 """``deepspeed.runtime.zero.partition_parameters``: the names of DeepSpeed's module that callers read.
 
-``ZeroParamStatus`` is what a parameter's ``ds_status`` holds (TRL gathers those not ``AVAILABLE``).
+``ZeroParamStatus`` is what a sharded parameter's ``ds_status`` holds (TRL gathers those not ``AVAILABLE``);
+shardspeed keeps it as its stage-3 units and ``GatheredParameters`` gather and release.
 transformers' ``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor`` while it
 builds a model under ``zero.Init`` and compares against ``_orig_torch_arange``: shardspeed's ``Init`` wraps
 no tensor constructor (a parameter is sharded when it is registered), so the wrapper returns the constructor
@@ -8,22 +9,13 @@ unchanged and swapping it changes nothing.
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, Callable
 
 import torch
 
 from ...compat.alias import module_getattr
 from ...zero import GatheredParameters, Init
-
-
-class ZeroParamStatus(Enum):
-    """A ZeRO-3 parameter's state, DeepSpeed's values: its data is a placeholder, being gathered, or whole."""
-
-    NOT_AVAILABLE = 1
-    INFLIGHT = 2
-    AVAILABLE = 3
-
+from ...zero.tags import ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 
