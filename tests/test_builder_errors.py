@@ -13,9 +13,11 @@ def _init(**kw):
     return shardspeed.initialize(model=make_model("mlp"), **kw)
 
 
-def test_no_optimizer_anywhere():
-    with pytest.raises(ConfigError, match="no optimizer"):
-        _init(config=BASE)
+def test_no_optimizer_anywhere_builds_a_forward_only_engine():  # as DeepSpeed (tests/test_deepspeed_configs.py)
+    engine, optimizer, _, _ = _init(config=BASE)
+    assert optimizer is None and type(engine).__name__ == "ForwardEngine"
+    with pytest.raises(shardspeed.ShardspeedError, match="engine built without an optimizer"):
+        engine.step()
 
 
 def test_two_optimizers():

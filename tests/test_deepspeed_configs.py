@@ -4,6 +4,7 @@ parser never reads (TRL's dotted keys), ``offload_param`` below stage 3, acceler
 ``init_distributed`` signature. The numbers against real DeepSpeed: tests/test_deepspeed_configs_multirank.py."""
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import math
@@ -85,6 +86,17 @@ def test_huge_integer_in_hjson_is_refused_by_range(tmp_path):
     path = tmp_path / "long.hjson"
     path.write_text("{\"train_batch_size\": 2, zero_optimization: {\"reduce_bucket_size\": " + "7" * 5000 + "}}")
     assert _error(path).startswith("zero_optimization.reduce_bucket_size = 777777777777... (5000 digits) is out")
+
+
+def test_base64_config_string_as_deepspeed_accepts_it(tmp_path):
+    """DeepSpeedConfig's third form: a URL-safe base64 string of the config text (JSON or hjson)."""
+    for text in (json.dumps(AS_DICT), HJSON):
+        encoded = base64.urlsafe_b64encode(text.encode()).decode()
+        assert load_config(encoded, world_size=2) == load_config(AS_DICT, world_size=2)
+    deep = base64.urlsafe_b64encode(('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}").encode()).decode()
+    assert _error(deep) == "the base64 config string is nested too deeply for a config (at most 64 levels)"
+    assert _error("ds_config.json") == "config file 'ds_config.json' does not exist"  # not base64: a missing path
+    assert _error(base64.urlsafe_b64encode(b"[1]").decode()) == "config file 'WzFd' does not exist"
 
 
 # ---- keys DeepSpeed never reads ---------------------------------------------------------------------------
@@ -171,6 +183,7 @@ def _forward_only_cases():
             out[(stage, frozen)] = dict(
                 equal=torch.equal(got, expected), optimizer=optimizer, scheduler=scheduler, errors=errors,
                 training=engine.training, held=sum(p.numel() for p in model.parameters()))
+    out["ds_attributes"] = _ds_attributes()
     try:
         shardspeed.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}})
@@ -179,8 +192,36 @@ def _forward_only_cases():
     return out
 
 
+def _ds_attributes():
+    """DeepSpeed's attributes on parameters built by shardspeed's zero.Init and then held by a stage-3 engine:
+    full sizes, and ds_status following the gathers."""
+    from shardspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with shardspeed.zero.Init():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    params = list(model.parameters())
+    seen = {"built": [(tuple(p.ds_shape), p.ds_numel, p.ds_status) for p in params]}
+    with shardspeed.zero.GatheredParameters(params):
+        seen["gathered_loose"] = {p.ds_status for p in params}
+    engine, *_ = shardspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    seen["engine"] = {p.ds_status for p in params}
+    with shardspeed.zero.GatheredParameters(params[:2]):
+        seen["gathered_unit"] = [p.ds_status for p in params]
+    seen["after"] = {p.ds_status for p in params}
+    seen["ids"] = len({p.ds_id for p in params})
+    seen["expected"] = ZeroParamStatus
+    return seen
+
+
 def test_initialize_without_optimizer_builds_a_forward_only_engine():
     for result in run_distributed(_forward_only_cases, 2):
+        ds = result.pop("ds_attributes")
+        status = ds["expected"]
+        assert ds["built"] == [((32, 8), 256, status.NOT_AVAILABLE), ((32,), 32, status.NOT_AVAILABLE),
+                               ((4, 32), 128, status.NOT_AVAILABLE), ((4,), 4, status.NOT_AVAILABLE)]
+        assert ds["gathered_loose"] == {status.AVAILABLE} and ds["engine"] == ds["after"] == {status.NOT_AVAILABLE}
+        assert ds["gathered_unit"][:2] == [status.AVAILABLE] * 2 and ds["ids"] == 4
         assert result.pop("scheduler_error").startswith("an LR schedule without an optimizer: add an 'optimizer'")
         for (stage, frozen), r in result.items():
             assert r["equal"] and r["optimizer"] is None and r["scheduler"] is None and not r["training"], (stage, r)

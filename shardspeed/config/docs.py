@@ -21,8 +21,17 @@ shardspeed reads DeepSpeed's JSON config format unchanged: pass a dict or a path
 
 Differences from DeepSpeed:
 
-- Unknown keys are errors at every level (DeepSpeed ignores unknown top-level keys); the message
-  names the dotted key and the closest valid one.
+- A config file is JSON, or hjson as DeepSpeed also reads (comments, unquoted keys and strings):
+  hjson needs the optional `hjson` package (`pip install hjson`) and is tried only when the text is
+  not JSON.
+- Unknown keys: inside a block they are errors (as DeepSpeed's `zero_optimization` refuses them); the
+  message names the dotted key and the closest valid one. At the top level DeepSpeed's parser reads
+  known keys only, so shardspeed drops, with one warning, the keys it would never read: dotted keys
+  such as TRL's `"zero_optimization.reduce_bucket_size"` (they set nothing, in DeepSpeed either: nest
+  them to set them) and names close to no key. A close misspelling of a top-level key
+  (`"gradient_clippin"`) stays an error.
+- `zero_optimization.offload_param` below stage 3 is dropped with a warning, as DeepSpeed ignores it
+  there; `steps_per_print: Infinity` (accelerate's) means never.
 - Nothing enabled is silently ignored. Keys marked *accepted, ignored* are compatibility no-ops that
   change neither the results nor what a run writes (DeepSpeed performance knobs, legacy flags);
   setting one to a non-default value logs a warning. Keys marked *only the default* are errors when

@@ -1,10 +1,12 @@
 """`load_config`: read, validate and resolve a DeepSpeed-format config; one-line `ConfigError`s."""
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
-from typing import Any, Dict, List, Mapping, Tuple, Union
+import string
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -31,6 +33,7 @@ _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "les
 _EXPECTED_BY_KEY = {"zero_optimization.stage": "0, 1, 2 or 3"}
 #: How deep a config may nest (DeepSpeed's are 3-4 levels) and the range of its integers.
 MAX_DEPTH = 64
+_BASE64 = frozenset(string.ascii_letters + string.digits + "-_=")
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
@@ -85,34 +88,51 @@ def parse_config(config: Union[Dict[str, Any], str, os.PathLike, ShardspeedConfi
 
 def read_json(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """Read a config file: JSON, or hjson as DeepSpeed also reads (comments, unquoted keys and strings,
-    trailing commas; needs the optional `hjson` package, tried only when the text is not JSON). A missing or
-    unreadable file, bad syntax, duplicate keys, text that is not UTF-8, or nesting too deep for the parser
-    raise `ConfigError`."""
+    trailing commas; needs the optional `hjson` package, tried only when the text is not JSON). A string that
+    names no file but is a URL-safe base64 encoding of such a config (DeepSpeed's third form) is decoded. A
+    missing or unreadable file, bad syntax, duplicate keys, text that is not UTF-8, or nesting too deep for the
+    parser raise `ConfigError`."""
     name = os.fspath(path)
+    what = f"config file '{name}'"
     if os.path.isdir(name):
-        raise ConfigError(f"config file '{name}' is a directory: give the path of a JSON file")
-    if not os.path.isfile(name):
-        raise ConfigError(f"config file '{name}' does not exist")
+        raise ConfigError(f"{what} is a directory: give the path of a JSON file")
+    text = None if os.path.isfile(name) else _base64_config(name)
+    if text is not None:
+        what = "the base64 config string"
+    elif not os.path.isfile(name):
+        raise ConfigError(f"{what} does not exist")
     try:
-        with open(name, encoding="utf-8") as f:
-            text = f.read()
-        data = _parse_text(name, text)
+        if text is None:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        data = _parse_text(what, text)
     except _DuplicateKey as e:
-        raise ConfigError(f"config file '{name}' has the key '{e.args[0]}' twice in one object") from None
+        raise ConfigError(f"{what} has the key '{e.args[0]}' twice in one object") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file '{name}' is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+        raise ConfigError(f"{what} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
                           f"{e.start}; save it as UTF-8") from None
     except RecursionError:
-        raise ConfigError(f"config file '{name}' is nested too deeply for a config (at most {MAX_DEPTH} "
-                          "levels)") from None
+        raise ConfigError(f"{what} is nested too deeply for a config (at most {MAX_DEPTH} levels)") from None
     except OSError as e:
-        raise ConfigError(f"config file '{name}' cannot be read: {e.strerror or e}") from None
+        raise ConfigError(f"{what} cannot be read: {e.strerror or e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{name}' must hold a JSON object, not {type(data).__name__}")
+        raise ConfigError(f"{what} must hold a JSON object, not {type(data).__name__}")
     return data
 
 
-def _parse_text(name: str, text: str) -> Any:
+def _base64_config(text: str) -> Optional[str]:
+    """The config a URL-safe base64 string encodes (DeepSpeed accepts one in place of a path), or None when
+    ``text`` is not base64 of UTF-8 text starting with '{'."""
+    if not text or len(text) % 4 or any(c not in _BASE64 for c in text):
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
+
+
+def _parse_text(what: str, text: str) -> Any:
     """JSON; when the text is not JSON, hjson (DeepSpeed's reader) if it is installed."""
     try:
         return json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
@@ -121,14 +141,14 @@ def _parse_text(name: str, text: str) -> Any:
     try:
         import hjson  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError:
-        raise ConfigError(f"config file '{name}' is not valid JSON: {where} (DeepSpeed also reads hjson files: "
+        raise ConfigError(f"{what} is not valid JSON: {where} (DeepSpeed also reads hjson files: "
                           "`pip install hjson` to load one)") from None
     try:
         return hjson.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int)
     except (ValueError, OverflowError) as e:  # HjsonDecodeError is a ValueError; a huge unquoted number overflows
         detail = (f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, hjson.HjsonDecodeError)
                   else "a number is out of range" if isinstance(e, OverflowError) else str(e))
-        raise ConfigError(f"config file '{name}' is not valid JSON: {where} (nor hjson: {detail})") from None
+        raise ConfigError(f"{what} is not valid JSON: {where} (nor hjson: {detail})") from None
 
 
 class _DuplicateKey(Exception):

@@ -46,7 +46,7 @@ class OffloadOptimizerConfig(ConfigModel):
 
 class OffloadParamConfig(ConfigModel):
     """`zero_optimization.offload_param`: keep the parameter shards off the GPU between uses.
-    Valid only at stage 3."""
+    Read only at stage 3 (below it the block is dropped with a warning, as DeepSpeed ignores it)."""
 
     device: OffloadDevice = field("none", "Where parameter shards live: \"none\", \"cpu\" or \"nvme\".")
     nvme_path: Optional[str] = field(None, "Directory for the parameter files when device is \"nvme\".")

@@ -12,6 +12,7 @@ may check them); inside shardspeed every reader and writer goes through these fu
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
@@ -35,6 +36,20 @@ class UnitTag(NamedTuple):
     manager: ParamManager
 
 
+class ZeroParamStatus(Enum):
+    """A ZeRO-3 parameter's ``ds_status``, DeepSpeed's values: a placeholder, being gathered, or whole
+    (TRL gathers the parameters that are not ``AVAILABLE``)."""
+
+    NOT_AVAILABLE = 1
+    INFLIGHT = 2
+    AVAILABLE = 3
+
+
+def set_ds_status(p: torch.Tensor, available: bool) -> None:
+    """Keep DeepSpeed's ``ds_status`` of a sharded parameter: whole (gathered) or a placeholder."""
+    p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+
+
 # ---- zero.Init's tag --------------------------------------------------------------------------------------
 
 def init_shard_of(p: torch.Tensor) -> Optional[InitShard]:
@@ -46,12 +61,14 @@ def tag_init_shard(p: torch.Tensor, info: InitShard) -> None:
     """Record that ``zero.Init`` sharded ``p``: ``info`` holds this rank's slice."""
     setattr(p, INIT_TAG, info)
     set_ds_attributes(p, info.shape)
+    set_ds_status(p, available=False)
 
 
 def set_ds_attributes(p: torch.Tensor, shape) -> None:
     """DeepSpeed's read-only attributes of a partitioned parameter, which callers read instead of the
     placeholder's shape: ``ds_shape`` / ``ds_numel`` (peft's LoRA layers, the Hugging Face Trainer's parameter
-    count) and ``ds_id`` (unique while the parameter lives). Kept when a unit takes the parameter."""
+    count) and ``ds_id`` (unique while the parameter lives). Kept when a unit takes the parameter;
+    ``ds_status`` follows the gathers (:func:`set_ds_status`)."""
     if getattr(p, "ds_shape", None) is None:
         p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
         p.ds_numel = p.ds_shape.numel()  # type: ignore[attr-defined]

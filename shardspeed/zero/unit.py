@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .layout import FlatLayout, Piece
 from .placement import DevicePlacement, ShardPlacement
-from .tags import clear_init_shard, init_shard_of  # parameters built under zero.Init arrive already sliced
+from .tags import clear_init_shard, init_shard_of, set_ds_status  # zero.Init: parameters arrive sliced
 
 if TYPE_CHECKING:
     from shardspeed.comm.collectives import Collectives, CommHandle
@@ -157,6 +157,17 @@ class ShardedParamUnit(FlatParamUnit):
         for p in self.params:
             p.data = self._placeholder
         self.state = UnitState.SHARDED
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @state.setter
+    def state(self, value: UnitState) -> None:
+        """Every change of state also sets the parameters' DeepSpeed ``ds_status``."""
+        self._state = value
+        for p in self.params:
+            set_ds_status(p, available=value is UnitState.GATHERED)
 
     def release(self) -> None:
         """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
