@@ -110,7 +110,8 @@ def estimate_model_state_memory(
     data-parallel ranks. ``dtype``: "fp32", "bf16" or "fp16" (16-bit with fp32 master weights).
 
     Raises ``ConfigError`` for an unknown dtype or stage, a world size below 1, a negative count, and
-    (decide's) optimizer offload at stage 0 or parameter offload below stage 3.
+    optimizer offload at stage 0 (decide's) or parameter offload below stage 3 (asked for here by name,
+    unlike a config's ``offload_param`` block, which stages 0-2 ignore as DeepSpeed does).
     """
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -120,5 +121,7 @@ def estimate_model_state_memory(
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if num_params < 0:
         raise ConfigError(f"num_params must be >= 0, got {num_params}")
+    if offload_param and stage < 3:
+        raise ConfigError(f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got stage {stage}")
     plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param), world_size)
     return model_states(plan, num_params)
