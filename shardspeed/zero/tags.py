@@ -37,12 +37,13 @@ class UnitTag(NamedTuple):
 
 
 class ZeroParamStatus(Enum):
-    """A ZeRO-3 parameter's ``ds_status``, DeepSpeed's values: a placeholder, being gathered, or whole
-    (TRL gathers the parameters that are not ``AVAILABLE``)."""
+    """A ZeRO-3 parameter's ``ds_status`` (``deepspeed.runtime.zero.partition_parameters.ZeroParamStatus``):
+    whole on this rank (``AVAILABLE``), only its shard here (``NOT_AVAILABLE``), or being gathered
+    (``INFLIGHT``). The values are DeepSpeed's. TRL gathers the parameters that are not ``AVAILABLE``."""
 
-    NOT_AVAILABLE = 1
-    INFLIGHT = 2
-    AVAILABLE = 3
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
 
 
 def set_ds_status(p: torch.Tensor, available: bool) -> None:

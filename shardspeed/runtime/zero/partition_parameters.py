@@ -8,23 +8,13 @@ unchanged and swapping it changes nothing.
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, Callable
 
 import torch
 
 from ...compat.alias import module_getattr
 from ...zero import GatheredParameters, Init
-
-
-class ZeroParamStatus(Enum):
-    """A stage-3 parameter: whole on this rank (``AVAILABLE``), only its shard here (``NOT_AVAILABLE``),
-    or being gathered (``INFLIGHT``). The values are DeepSpeed's."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
-
+from ...zero.tags import ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 
