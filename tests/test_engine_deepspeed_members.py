@@ -187,3 +187,42 @@ def test_offload_states_and_small_members():
                            "yet (issue 39); compile the model before shardspeed.initialize"],
                           ["NotProvidedError", ONE_LINE + "zero_quantized_weights"]]
         assert (scale, cur, same, mom, parsed) == (128.0, 1.0, True, [0.5], 128.0)
+
+
+GPU_JOB = r"""
+import torch, torch.nn as nn, shardspeed
+shardspeed.init_distributed()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+engine, *_ = shardspeed.initialize(model=model, config=cfg)
+x = torch.randn(2, 1024, device=engine.device, dtype=torch.bfloat16)
+for _ in range(2):
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+torch.cuda.synchronize()
+states = sum(v.numel() * v.element_size() for st in engine.optimizer.state.values() for v in st.values()
+             if torch.is_tensor(v) and v.dim() and v.is_cuda)
+masters = sum(m.numel() * 4 for m in engine.master_weights.masters if m is not None)
+before = torch.cuda.memory_allocated()
+engine.offload_states()
+torch.cuda.synchronize()
+freed = before - torch.cuda.memory_allocated()
+engine.reload_states()
+back = torch.cuda.memory_allocated() - before
+engine.backward(engine(x).float().pow(2).mean())
+engine.step()
+print("RESULT", freed, states + masters, back)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: needs a GPU")
+def test_offload_states_frees_device_memory(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(__import__("tests.distributed", fromlist=["free_port"]).free_port()))
+    out = subprocess.run([sys.executable, "-c", GPU_JOB], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    freed, held, back = map(int, out.stdout.split("RESULT")[1].split())
+    assert held > 8 * 2**20 and freed >= held  # Adam's two moments and the fp32 masters left the device
+    assert abs(back) <= 2**20  # and came back (within the allocator's rounding)
