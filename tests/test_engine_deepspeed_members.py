@@ -120,14 +120,18 @@ def _offload_job(stage, dtype, offload):
     data = [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)) for _ in range(6)]
     losses, facts = [], {}
     for i, (x, y) in enumerate(data):
+        loss = ((engine(x) - y.to(engine.train_dtype)).float() ** 2).mean()
+        engine.backward(loss)
         if i == 3 and offload:
             state = [v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
             before = [t.data_ptr() for t in state]
             masters = [m for m in engine.master_weights.masters if m is not None]
             master_ptrs = [m.data_ptr() for m in masters]
+            grads = [(t, t.data_ptr()) for t in engine.reducer.held_tensors()]  # this step's reduced gradients
             engine.offload_states(include=["optim_states", "hp_params", "lp_grads"], pin_memory=True)
             facts["state_on_cpu"] = all(t.device.type == "cpu" for t in state + masters)
             facts["state_moved"] = all(t.data_ptr() != b for t, b in zip(state, before))  # fresh host buffers
+            facts["grads_moved"] = bool(grads) and all(t.data_ptr() != b for t, b in grads)
             facts["masters_moved"] = [sum(m.data_ptr() != b for m, b in zip(masters, master_ptrs)), len(masters)]
             views = [v for vs in engine.master_weights.piece_tensors for v in vs]
             facts["views_follow"] = all(any(m.data_ptr() <= v.data_ptr() < m.data_ptr() + m.numel() * 4
@@ -139,9 +143,11 @@ def _offload_job(stage, dtype, offload):
                     engine.offload_states(**bad)
                 except kind as e:
                     facts.setdefault("errors", []).append(str(e))
+            try:
+                engine.step()
+            except ShardspeedError as e:
+                facts["errors"].append(str(e))
             engine.reload_states()
-        loss = ((engine(x) - y.to(engine.train_dtype)).float() ** 2).mean()
-        engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
     return losses, facts
@@ -175,13 +181,14 @@ def test_offload_states_and_small_members():
         for case, ((want, _), (got, facts)) in cases.items():
             assert got == want, case  # bit-identical: the states came back unchanged
             assert facts["state_on_cpu"] and facts["state_moved"] and facts["views_follow"], case
+            assert facts["grads_moved"], case
             moved_masters, masters = facts["masters_moved"]  # fp32: the masters are the parameters' shards
             assert masters > 0 and moved_masters == (masters if case.endswith("bf16") else 0), case
             assert facts["errors"] == [
                 ONE_LINE + "offload_states(include=[lp_params]): the module's parameters stay on the device",
                 "offload_states(device='nvme'): only 'cpu' is supported (as in DeepSpeed)",
                 "offload_states(include=...): unknown state 'weights'; use optim_states, hp_params, lp_params, "
-                "lp_grads, contiguous_grad_buffer"]
+                "lp_grads, contiguous_grad_buffer", "step() after offload_states(): call engine.reload_states() first"]
         errors, scale, cur, same, mom, parsed = small
         assert errors == [["NotProvidedError", ONE_LINE + "compile: torch.compile of the engine is not implemented "
                            "yet (issue 39); compile the model before shardspeed.initialize"],

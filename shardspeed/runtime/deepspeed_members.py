@@ -115,6 +115,12 @@ class DeepSpeedMembers:
         self._record_overflow(False)
         self._step_applied = False  # no step yet
 
+    def _before_update(self) -> None:
+        """Before the optimizer updates the states: wait for a save in flight; refuse offloaded states."""
+        if self._states.offloaded:
+            raise ShardspeedError("step() after offload_states(): call engine.reload_states() first")
+        self._p.async_saves.before_update()
+
     def _record_overflow(self, overflow: bool) -> None:
         """After an optimizer step: ``was_step_applied()`` and DeepSpeed's ``optimizer.overflow`` (which
         accelerate's ``step_was_skipped`` reads)."""

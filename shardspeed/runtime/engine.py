@@ -359,7 +359,7 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def _optimizer_step(self) -> None:
         p = self._p
-        p.async_saves.before_update()  # a save in flight may still be writing the state this step changes
+        self._before_update()  # a save in flight may still write the state this step changes; states offloaded?
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
         if p.param_manager is not None:
             p.param_manager.after_step()
