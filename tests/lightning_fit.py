@@ -113,7 +113,7 @@ def errors(out_dir):
     # and a run the strategy accepts: the Trainer's accumulation and clipping fill in an empty config
     trainer = fit(out_dir, "ok", "shardspeed_stage_2", devices=1, accumulate_grad_batches=2, gradient_clip_val=0.5)
     engine = trainer.strategy.engine
-    msgs["ok"] = {"gas": engine.gradient_accumulation_steps(), "clip": engine.config.gradient_clipping,
+    msgs["ok"] = {"gas": engine.gradient_accumulation_steps(), "clip": engine.gradient_clipping(),
                   "global_step": trainer.global_step, "engine_steps": engine.global_steps}
     with open(os.path.join(out_dir, "errors.json"), "w") as f:
         json.dump(msgs, f)

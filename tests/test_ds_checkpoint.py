@@ -148,7 +148,7 @@ def _ours_continue(load_dir: str, stage: int, dtype: str, batches, tag=None, kin
     _, client = engine.load_checkpoint(load_dir, tag=tag)
     steps = engine.global_steps
     losses = _train(engine, batches[N:])
-    return {"losses": losses, "client": client, "steps": steps, "scale": float(engine.loss_scale)}
+    return {"losses": losses, "client": client, "steps": steps, "scale": float(engine.cur_scale)}
 
 
 def _round_trip(ds, base: str, stage: int, batches, dtype: str = "fp32") -> Dict[str, Any]:
@@ -170,7 +170,7 @@ def _round_trip(ds, base: str, stage: int, batches, dtype: str = "fp32") -> Dict
     dse, *_ = ds.initialize(model=model, config=_config(stage, dtype), model_parameters=list(model.parameters()))
     _, client = dse.load_checkpoint(f"{base}/rt_ds{stage}{dtype}")
     return {"ours": ours, "deepspeed": _train(dse, batches[N:]), "marker": client.get("marker"),
-            "scales": (float(engine.loss_scale), float(dse.optimizer.loss_scale)) if dtype == "fp16" else None}
+            "scales": (float(engine.cur_scale), float(dse.optimizer.loss_scale)) if dtype == "fp16" else None}
 
 
 def _errors(base: str) -> Dict[str, Any]:

@@ -49,7 +49,7 @@ def _fp16_overflow_case(stage):
         engine.step()
         after = _params(engine)
         snapshots.append(all(torch.equal(before[n], after[n]) for n in before))
-        scales.append(engine.loss_scale)
+        scales.append(engine.cur_scale)
         lrs.append(engine.get_lr()[0])
     return dict(scales=scales, lrs=lrs, unchanged=snapshots, skipped=engine.skipped_steps,
                 steps=engine.global_steps, norm_after=engine.get_global_grad_norm())
@@ -96,7 +96,7 @@ def _api_case():
         training_data=torch.utils.data.TensorDataset(torch.arange(24.0).view(12, 2)))
     out = dict(tbs=engine.train_batch_size(), mbs=engine.train_micro_batch_size_per_gpu(),
                gas=engine.gradient_accumulation_steps(), stage=engine.zero_optimization_stage(),
-               scale=engine.loss_scale, loader_batches=[b[0][:, 0].tolist() for b in loader], sched=sched)
+               scale=engine.cur_scale, loader_batches=[b[0][:, 0].tolist() for b in loader], sched=sched)
     batch = make_batches("mlp", 1, 6 * world)[0]
     boundaries, returned = [], []
     for k in range(3):

@@ -64,7 +64,7 @@ def _train(kind: str, cfg: dict, gas: int) -> dict:
     params = gathered_params(engine)
     assert all(p.numel() for p in params.values())
     out = {"losses": losses, "params": params, "skipped": engine.skipped_steps, "mem": engine.memory_breakdown(),
-           "scale": engine.loss_scale}
+           "scale": engine.cur_scale}
     master = engine.master_weights
     out["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in master.units)
     placements = [u.placement for u in master.units]

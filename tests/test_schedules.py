@@ -202,4 +202,9 @@ def test_matches_deepspeed(monkeypatch, name, params):
         ours.step()
         assert snapshot(our_opt) == pytest.approx(snapshot(ref_opt), rel=1e-12, abs=1e-15), step
         assert ours.get_lr() == pytest.approx(ref.get_lr(), rel=1e-12, abs=1e-15), step
+        if name == "OneCycle":  # (beta1, beta2) per group, as DeepSpeed's; beta2 is the group's (DeepSpeed: 0.99)
+            mine, theirs = ours.get_mom(), ref.get_mom()
+            assert [type(m) for m in mine] == [type(m) for m in theirs] == [tuple] * len(theirs)
+            assert [m[0] for m in mine] == pytest.approx([m[0] for m in theirs], rel=1e-12), step
+            assert [m[1] for m in mine] == [g["betas"][1] for g in our_opt.param_groups]
     assert ours.state_dict() == ref.state_dict()

@@ -110,7 +110,7 @@ class StepEvents:
 
         ds: List[Event] = [(PREFIX + "lr", float(engine.get_lr()[0]), step)]
         if self.write_loss_scale:
-            ds.append((PREFIX + "loss_scale", float(engine.loss_scale), step))
+            ds.append((PREFIX + "loss_scale", float(engine.cur_scale), step))
         if self.write_timers:
             allreduce = ms.get("backward_allreduce", 0.0)
             ms["backward_inner"] = max(0.0, ms.get("backward", 0.0) - allreduce)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -356,10 +356,14 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_lr_rate * k / self.decay_step_size
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> Optional[List[float]]:
-        """beta1 per group for the current iteration (None without momentum cycling)."""
+    def get_mom(self) -> Optional[List[Tuple[float, float]]]:
+        """``(beta1, beta2)`` per group for the current iteration, as DeepSpeed's (None without momentum
+        cycling); beta2 is the group's own."""
         if not self.cycle_momentum:
             return None
+        return [(b1, g["betas"][1]) for b1, g in zip(self._beta1s(), self.optimizer.param_groups)]
+
+    def _beta1s(self) -> List[float]:
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
@@ -371,9 +375,8 @@ class OneCycle(_Schedule):
 
     def _apply(self) -> None:
         super()._apply()
-        moms = self.get_mom()  # None without momentum cycling
-        if moms is not None:
-            self._write_moms(moms)
+        if self.cycle_momentum:
+            self._write_moms(self._beta1s())
 
 
 class LRRangeTest(_Schedule):

@@ -41,6 +41,7 @@ from ..zero.stage3 import ParamManager
 from ..zero.stage3_units import build_stage3_units, largest_unit_numel, small_unit_numel
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
+from .deepspeed_members import config_as_dict
 from .engine import Engine
 from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
 from .forward_engine import ForwardEngine
@@ -200,6 +201,7 @@ def build_engine(
         steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
         memory_breakdown=bool(cfg.memory_breakdown), param_manager=manager,
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo, shuffle=pipe_plan is None), config=cfg,
+        config_dict=config_as_dict(config, parsed),
         gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save, async_save=plan.save.async_save,
         flops_profiler=_flops_profiler(cfg, model, master.units, topo),
         monitor=_monitor(cfg, collectives, comms_logger, topo),

@@ -22,20 +22,21 @@ from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
 from .compat_links import link_engine
+from .deepspeed_members import DeepSpeedMembers, missing_member
 from .parts import EngineParts, move_inputs, no_move_error
 from .reporting import StepReport, memory_breakdown
 
 logger = logging.getLogger("shardspeed")
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedMembers, nn.Module):
     """Wraps a module for training; create it with :func:`shardspeed.initialize`.
 
     An ``nn.Module`` as DeepSpeedEngine is: the model is the registered submodule ``module`` (what
     Lightning and accelerate's ``unwrap_model`` look for), so ``state_dict()`` / ``named_parameters()`` give
     its tensors under ``module.<name>`` as DeepSpeedEngine's do, ``engine(x)`` runs :meth:`forward`, and
-    attributes the engine lacks are looked up on the module. The optimizer, schedule, loader and parts are
-    plain attributes."""
+    attributes the engine lacks are looked up on the module (DeepSpeedEngine's members it lacks fail with one
+    line). Optimizer, schedule, loader: plain attributes; DeepSpeed's getters: :class:`DeepSpeedMembers`."""
 
     def __init__(self, parts: EngineParts):
         super().__init__()
@@ -46,7 +47,7 @@ class Engine(nn.Module):
         link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
-        self.config = parts.config
+        self.config = parts.config_dict  # the config dict given, as DeepSpeed's; the parsed one: shardspeed_config
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._grad_norm: Optional[float] = None
         self._boundary_override: Optional[bool] = None
@@ -58,19 +59,12 @@ class Engine(nn.Module):
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
+        self._init_deepspeed_members()
 
     # ---- DeepSpeed-compatible properties ----------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self._p.topology.device
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self._p.loss_scaler.scale)
-
-    @property
-    def cur_scale(self) -> float:  # DeepSpeed's optimizer attribute name, kept for users' scripts
-        return self.loss_scale
 
     def train_batch_size(self) -> int:
         return self._p.train_batch_size
@@ -182,7 +176,9 @@ class Engine(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self.__dict__.get("module")
+            module, missing = self.__dict__.get("module"), missing_member(name)
+            if missing is not None:  # a DeepSpeedEngine member the engine lacks: the one line, not the module's
+                raise missing from None
             if module is not None and not name.startswith("_"):
                 try:
                     return getattr(module, name)
@@ -349,6 +345,7 @@ class Engine(nn.Module):
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         if self._in_no_sync:
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             profiled = self._report.flops_active(self.global_steps)
             with self._timers("step"), self._report.flops_scope("step", self.global_steps):
@@ -365,11 +362,12 @@ class Engine(nn.Module):
 
     def _optimizer_step(self) -> None:
         p = self._p
-        p.async_saves.before_update()  # a save in flight may still be writing the state this step changes
+        self._before_update()  # a save in flight may still write the state this step changes; states offloaded?
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
         if p.param_manager is not None:
             p.param_manager.after_step()
         p.loss_scaler.update(result.overflow)
+        self._record_overflow(result.overflow)
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
             self.skipped_steps += 1

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,7 @@ class EngineParts:
     training_dataloader: Optional[Iterable] = None
     gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
     config: Optional[ShardspeedConfig] = None  # kept for checkpoints and introspection only; never branched on
+    config_dict: Optional[Dict[str, Any]] = None  # engine.config: the config as given (DeepSpeed's engine.config)
     flops_profiler: Optional[StepFlopsProfiler] = None  # flops_profiler.enabled
     monitor: Optional[StepEvents] = None  # a monitor block is enabled
     input_check: Optional[InputConsistencyCheck] = None  # TP: the first forwards' inputs agree over the model group

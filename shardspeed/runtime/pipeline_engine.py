@@ -186,7 +186,7 @@ class PipelineEngine(Engine):
         outputs = None
         with p2p_errors(schedule, self._pipe.stage_ids, self.global_steps + 1):  # a failed transfer: named
             if train:
-                self._loss_factor = self.loss_scale / m
+                self._loss_factor = self.cur_scale / m
                 schedule.step(*args, target=target, losses=losses)
             else:
                 self._loss_factor = 1.0

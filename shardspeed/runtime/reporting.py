@@ -77,7 +77,7 @@ class StepReport:
         loss, norm = engine.last_loss, engine.get_global_grad_norm()
         lrs: List[str] = [f"{x:.3g}" for x in engine.get_lr()]
         logger.info("step=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f", engine.global_steps,
-                    float(loss) if loss is not None else float("nan"), lrs, engine.loss_scale,
+                    float(loss) if loss is not None else float("nan"), lrs, engine.cur_scale,
                     f"{norm:.4f}" if norm is not None else "n/a", rate)
         if p.wall_clock_breakdown:
             logger.info("time per call: %s", engine.timers.report_and_reset())

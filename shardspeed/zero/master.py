@@ -287,6 +287,19 @@ class MasterWeights:
         if master is not None and not unit.placement.aliases(master):
             master.copy_(unit.shard)  # a file placement: read from the file
 
+    def move_masters(self, move: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
+        """Re-home each fp32 master that is not its unit's own shard into ``move(master)`` (None: leave it),
+        keeping the tensor objects (the optimizer's pieces stay views of it): ``engine.offload_states()``."""
+        for ui, (master, unit) in enumerate(zip(self.masters, self.units)):
+            if master is None or unit.placement.aliases(master):
+                continue
+            moved = move(master)
+            if moved is None:
+                continue
+            master.data = moved
+            for piece, view in zip(self.trainable_pieces[ui], self.piece_tensors[ui]):
+                view.data = master.data[piece.chunk_start : piece.chunk_start + piece.numel]
+
     def close(self) -> None:
         """Free the units' shard storage that outlives garbage collection (offload_param nvme: delete the
         file) now rather than at exit."""

@@ -478,15 +478,15 @@ class GradientReducer:
             if g.bucket is not None:
                 g.bucket.zero_()
 
+    def held_tensors(self) -> List[torch.Tensor]:
+        """The gradient storage held now: spare buckets, coalesced groups in flight, buckets and results."""
+        out = [t for free in self._pool.values() for t in free]
+        out += [x.wire for x in self._in_flight if isinstance(x, SmallUnitGroup)]
+        return out + [t for g in self._grads for t in (g.bucket, g.sending, g.result) if t is not None]
+
     def held_bytes(self) -> int:
         """Bytes of gradient storage held now (buckets, coalesced groups in flight and results)."""
-        total = sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
-        total += sum(x.wire.numel() * x.wire.element_size() for x in self._in_flight if isinstance(x, SmallUnitGroup))
-        for g in self._grads:
-            for t in (g.bucket, g.sending, g.result):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for t in self.held_tensors())
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
