@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..compat.alias import not_provided
 from ..errors import ConfigError, NotProvidedError, ShardspeedError
+from .compat_links import link_engine
 from .state_offload import StateOffload
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,9 +112,22 @@ class DeepSpeedMembers:
     global_steps: int
 
     def _init_deepspeed_members(self) -> None:
+        link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self._states = StateOffload(self._p.topology.device)
         self._record_overflow(False)
         self._step_applied = False  # no step yet
+
+    def train_batch_size(self) -> int:
+        return self._p.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._p.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._p.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self._p.zero_stage
 
     def _before_update(self) -> None:
         """Before the optimizer updates the states: wait for a save in flight; refuse offloaded states."""

@@ -21,7 +21,6 @@ from ..monitor.master import MonitorMaster
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
-from .compat_links import link_engine
 from .deepspeed_members import DeepSpeedMembers, missing_member
 from .parts import EngineParts, move_inputs, no_move_error
 from .reporting import StepReport, memory_breakdown
@@ -44,7 +43,6 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._modules["module"] = parts.module  # registered: nn.Module methods recurse into it
         self.__dict__["module"] = parts.module  # and a plain attribute, so self.module skips __getattr__
         self.optimizer = parts.master.optimizer
-        link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
         self.config = parts.config_dict  # the config dict given, as DeepSpeed's; the parsed one: shardspeed_config
@@ -65,18 +63,6 @@ class Engine(DeepSpeedMembers, nn.Module):
     @property
     def device(self) -> torch.device:
         return self._p.topology.device
-
-    def train_batch_size(self) -> int:
-        return self._p.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._p.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._p.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self._p.zero_stage
 
     @property
     def param_manager(self):
