@@ -15,7 +15,6 @@ from typing import Any, Dict, List
 import pytest
 import torch
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch
 
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
