@@ -165,14 +165,7 @@ def _case(base: str) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results(deepspeed_fused_adam, tmp_path_factory):
-    # the CPU Adam op (DeepSpeedCPUAdam with offload) is built by test_deepspeed_names' fixture, or here
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
-                    "get_accelerator().create_op_builder('CPUAdamBuilder').load()"], check=True, timeout=1800,
-                   capture_output=True)
+def results(deepspeed_optimizer_ops, tmp_path_factory):
     return run_distributed(_case, 2, str(tmp_path_factory.mktemp("dsnames")), timeout=900)
 
 
