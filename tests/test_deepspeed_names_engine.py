@@ -264,3 +264,11 @@ def test_z3_leaf_modules_are_one_unit_each():
     with pytest.raises(ValueError, match="No modules of type"):
         set_z3_leaf_modules(model, [nn.Conv2d])
     assert set_z3_leaf_modules(model, [nn.Conv2d], raise_if_not_found=False) == []
+    from shardspeed.utils import set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+
+    assert set_z3_leaf_modules_by_name(model, ["moe", "nope"], raise_if_not_found=False) == ([model.moe], ["nope"])
+    assert set_z3_leaf_modules_by_suffix(model, ["experts.1", "experts.2"]) == ([model.moe.experts[1],
+                                                                                model.moe.experts[2]], [])
+    assert get_z3_leaf_modules(model) == [model.moe, model.moe.experts[1], model.moe.experts[2]]
+    with pytest.raises(ValueError, match="No modules named"):
+        set_z3_leaf_modules_by_name(model, ["nope"])
