@@ -29,3 +29,20 @@ def deepspeed_fused_adam() -> None:
     except subprocess.CalledProcessError as exc:
         tail = "\n".join((exc.stderr or "").splitlines()[-5:])
         pytest.fail(f"DeepSpeed's FusedAdam op (its default optimizer on this accelerator) did not build:\n{tail}")
+
+
+_BUILD_OPS = ("from deepspeed.accelerator import get_accelerator\n"
+              "for b in ('FusedAdamBuilder', 'CPUAdamBuilder', 'CPUAdagradBuilder', 'CPULionBuilder'):\n"
+              "    get_accelerator().create_op_builder(b).load()\n")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_optimizer_ops() -> None:
+    """DeepSpeed's FusedAdam and its CPU Adam, Adagrad and Lion ops (the oracles of shardspeed's ``deepspeed.ops``),
+    built once in one process (each about 5 minutes on a fresh 2-core machine, then cached)."""
+    pytest.importorskip("deepspeed")
+    try:
+        subprocess.run([sys.executable, "-c", _BUILD_OPS], check=True, timeout=3600, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        tail = "\n".join((exc.stderr or "").splitlines()[-5:])
+        pytest.fail(f"DeepSpeed's optimizer ops did not build:\n{tail}")

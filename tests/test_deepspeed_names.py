@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from typing import Any, Dict, List
 
 import pytest
 import torch
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch
 
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-_BUILD = ("from deepspeed.accelerator import get_accelerator\n"
-          "for b in ('CPUAdamBuilder', 'CPUAdagradBuilder', 'CPULionBuilder'):\n"
-          "    get_accelerator().create_op_builder(b).load()\n")
 
 #: (class path under deepspeed./shardspeed., kwargs): every op class, its defaults and its modes
 OPT_CASES = [
@@ -53,16 +46,6 @@ CONFIG_ATTRS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_
                 "zero_optimization_stage", "zero_enabled", "gradient_clipping", "steps_per_print", "optimizer_name",
                 "optimizer_params", "scheduler_name", "scheduler_params", "world_size", "prescale_gradients",
                 "gradient_predivide_factor", "wall_clock_breakdown", "dataloader_drop_last"]
-
-
-@pytest.fixture(scope="module")
-def deepspeed_cpu_ops() -> None:
-    """DeepSpeed's CPU Adam, Adagrad and Lion ops: compiled by DeepSpeed once per machine (minutes), here, so
-    that no worker spends its timeout building."""
-    try:
-        subprocess.run([sys.executable, "-c", _BUILD], check=True, timeout=1800, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        pytest.fail("DeepSpeed's CPU optimizer ops did not build:\n" + "\n".join((exc.stderr or "").splitlines()[-5:]))
 
 
 def _resolve(root: str, path: str):
@@ -173,7 +156,7 @@ def _oracle_case(base: str) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def oracle(deepspeed_fused_adam, deepspeed_cpu_ops, tmp_path_factory):
+def oracle(deepspeed_optimizer_ops, tmp_path_factory):
     return run_distributed(_oracle_case, 2, str(tmp_path_factory.mktemp("names")), timeout=600)
 
 

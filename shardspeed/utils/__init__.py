@@ -6,6 +6,7 @@ from .logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from .repeating import RepeatingLoader
 from .tensor_fragment import (
                               safe_get_full_fp32_param,
+                              safe_get_full_grad,
                               safe_get_full_optimizer_state,
                               safe_set_full_fp32_param,
                               safe_set_full_optimizer_state,
@@ -14,13 +15,17 @@ from .z3_leaf_module import (
                               get_z3_leaf_modules,
                               set_z3_leaf_module,
                               set_z3_leaf_modules,
+                              set_z3_leaf_modules_by_name,
+                              set_z3_leaf_modules_by_suffix,
                               unset_z3_leaf_modules,
                               z3_leaf_module,
                               z3_leaf_parameter,
 )
 
-__all__ = ["RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
-           "safe_set_full_optimizer_state", "get_z3_leaf_modules", "log_dist", "log_dist_once", "logger", "set_log_level_from_string",
-           "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "log_dist_once", "logger",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "set_log_level_from_string",
+           "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
 
 __getattr__ = module_getattr(__name__)

@@ -5,7 +5,8 @@ The engine links each parameter of its model to itself (:func:`link_engine`, a w
 ``ds_engine``). A getter assembles the full tensor from the pieces this rank owns (every rank must call it, as in
 DeepSpeed: one all-reduce over the data-parallel group when the parameter is sharded); a setter writes this
 rank's pieces and, for the weights, refreshes the model's parameters from the masters (a collective too).
-Not provided: the gradient getters (``safe_get_full_grad``...), the ``safe_get_local_*`` family, and these
+``safe_get_full_grad`` reads the reduced gradient the next step will use. Not provided: the gradient setters,
+the ``safe_get_local_*`` family, and these
 functions with the tiled ``offload_optimizer`` store (Adam/AdamW offload), each with the one-line error.
 """
 from __future__ import annotations
@@ -53,25 +54,49 @@ def _located(view, param: torch.Tensor) -> Optional[Tuple[Any, Tuple[int, ...], 
     return None
 
 
+def _assemble(view, unit, shape: Tuple[int, ...], parts: List[Tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """The full fp32 tensor from this rank's ``(start, end, values)`` parts of it (one all-reduce when the unit
+    is sharded: the ranks' parts are disjoint)."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    device = parts[0][2].device if parts else unit.shard.device
+    full = torch.zeros(numel, dtype=torch.float32, device=device)
+    for start, end, values in parts:
+        full[start:end] = values.reshape(-1).to(full)
+    if unit.layout.world > 1:
+        view.comm.all_reduce(full)
+    return full.view(shape)
+
+
 def _get_full(param: torch.Tensor, fn: str, pick: Callable[[Any, Any], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     view = _view(param, fn)
     found = _located(view, param)
     if found is None:
         return None
     unit, shape, pieces = found
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    device = pieces[0].master.device if pieces else unit.shard.device
-    full = torch.zeros(numel, dtype=torch.float32, device=device)
-    for pc in pieces:
-        t = pick(view, pc)
-        if t is None:
-            return None
-        full[pc.start:pc.end] = t.reshape(-1).to(full)
-    if unit.layout.world > 1:  # sharded: the ranks' pieces are disjoint
-        view.comm.all_reduce(full)
-    return full.view(shape)
+    parts = [(pc.start, pc.end, pick(view, pc)) for pc in pieces]
+    if any(t is None for _, _, t in parts):
+        return None
+    return _assemble(view, unit, shape, parts)  # type: ignore[arg-type]
+
+
+def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The parameter's full gradient as the optimizer step will read it: reduced over the data-parallel ranks
+    and averaged, in fp32 (fp16 training: still multiplied by the loss scale, as DeepSpeed's before its step);
+    None before a backward at the accumulation boundary has reduced it, or for a parameter not trained."""
+    view = _view(param, "safe_get_full_grad")
+    found = _located(view, param)
+    if found is None:
+        return None
+    unit, shape, _ = found
+    ui = view.units.index(unit)
+    grad = view.engine.reducer.grad_shard(ui)
+    if grad is None:
+        return None
+    parts = [(pc.param_start, pc.param_end, grad[pc.chunk_start:pc.chunk_start + pc.numel])
+             for pc in view.master.owned_pieces(ui) if unit.params[pc.param_index] is param]
+    return _assemble(view, unit, shape, parts)
 
 
 def _set_full(param: torch.Tensor, value: torch.Tensor, fn: str, put: Callable[[Any, Any, torch.Tensor], None]):

@@ -8,7 +8,7 @@ real DeepSpeed's function, or by transformers / accelerate, are leaves here too.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Type, Union
+from typing import Callable, List, Sequence, Tuple, Type, Union
 
 import torch.nn as nn
 
@@ -66,6 +66,36 @@ def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[Union[
                           raise_if_not_found: bool = True) -> List[nn.Module]:
     """Clear the flag on those modules (see :func:`set_z3_leaf_modules`)."""
     return _set_flags(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _set_by(model: nn.Module, keys: Sequence[str], match: Callable[[str, str], bool], flag: bool,
+            raise_if_not_found: bool, what: str) -> Tuple[List[nn.Module], List[str]]:
+    found: List[nn.Module] = []
+    missing: List[str] = []
+    for key in keys:
+        hits = [m for name, m in model.named_modules() if match(name, key)]
+        if not hits:
+            missing.append(key)
+        for m in hits:
+            set_z3_leaf_module(m, flag)
+            if all(m is not f for f in found):
+                found.append(m)
+    if missing and raise_if_not_found:
+        raise ValueError(f"No modules {what} {missing} found in model {type(model).__name__}")
+    return found, missing
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> Tuple[List[nn.Module], List[str]]:
+    """Set the flag on the modules named (as ``named_modules()`` names them); returns (modules, names not found)."""
+    return _set_by(model, module_names, lambda name, key: name == key, flag, raise_if_not_found, "named")
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequence[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> Tuple[List[nn.Module], List[str]]:
+    """Set the flag on the modules whose name ends with a suffix; returns (modules, suffixes that matched none)."""
+    return _set_by(model, module_name_suffixes, lambda name, key: name.endswith(key), flag, raise_if_not_found,
+                   "matching suffixes")
 
 
 __getattr__ = module_getattr(__name__)
