@@ -59,4 +59,12 @@ __all__ = [
 ]
 
 # a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``)
-__getattr__ = module_getattr(__name__)
+_missing = module_getattr(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeepSpeedEngine":  # imported on use: ``import shardspeed`` stays cheap
+        from .runtime.engine import DeepSpeedEngine
+
+        return DeepSpeedEngine
+    return _missing(name)
