@@ -75,8 +75,8 @@ class ShardspeedConfig(ConfigModel):
         auto=AUTO_DEFAULT)
     gradient_clipping: float = field(1.0, "Clip the global gradient norm to this value; 0 disables. "
                                      "\"auto\" means 1.0.", ge=0, allow_inf_nan=False, auto={"value": 1.0})
-    steps_per_print: Optional[int] = field(None, "Log a progress line every N optimizer steps; None: never.",
-                                           gt=0)
+    steps_per_print: Optional[int] = field(None, "Log a progress line every N optimizer steps; None (or "
+                                           "infinity, which accelerate writes): never.", gt=0)
     wall_clock_breakdown: bool = field(False, "Time forward, backward and step, and log the breakdown.")
     prescale_gradients: bool = field(False, "Divide gradients by the data-parallel size before (not after) "
                                      "the reduction.")
@@ -170,6 +170,12 @@ class ShardspeedConfig(ConfigModel):
     def _normalize_dtype(cls, value: Any) -> Any:
         return normalize_dtype_name(value)
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never(cls, value: Any) -> Any:
+        """accelerate writes ``float("inf")`` (DeepSpeed then never prints): the same as None."""
+        return None if isinstance(value, float) and value == float("inf") else value
+
     @model_validator(mode="after")
     def _check(self) -> ShardspeedConfig:
         check_precision(self.fp16, self.bf16)
@@ -180,6 +186,13 @@ class ShardspeedConfig(ConfigModel):
                                           {"key": name, "value": json.dumps(getattr(self, name)),
                                            "default": json.dumps(default)})
         return self
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key as the JSON dict form (sections as dicts), for code written against DeepSpeed's
+        ``engine.config``, a dict (transformers' ``save_model`` reads ``config.get("zero_optimization", {})``)."""
+        if key not in type(self).model_fields:
+            return default
+        return self.model_dump(mode="json", by_alias=True, include={key}).get(key, default)
 
     @property
     def train_dtype(self) -> torch.dtype:

@@ -444,6 +444,9 @@ class Engine(nn.Module):
         Every rank must call it: at stage 3 the units are gathered one at a time. Works at every stage."""
         return gathered_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:  # accelerate's get_state_dict asks first
+        return bool(self._p.gather_16bit_weights_on_save)
+
     # ---- reporting (logic in .reporting and shardspeed.profiling) ----------------------------------------
     def flops_per_step(self, measured: bool = False) -> Optional[int]:
         """FLOPs this rank computes in one optimizer step (every micro-batch), from the forward and backward
@@ -498,3 +501,5 @@ class Engine(nn.Module):
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
         return memory_breakdown(self._p, self.device)
+
+DeepSpeedEngine = Engine  # DeepSpeed's name: accelerate's and Lightning's isinstance checks
