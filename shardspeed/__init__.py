@@ -59,4 +59,11 @@ __all__ = [
 ]
 
 # a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``)
-__getattr__ = module_getattr(__name__)
+_missing = module_getattr(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeepSpeedEngine":  # imported on first use: the engine's modules stay out of ``import shardspeed``
+        from .runtime.engine import DeepSpeedEngine
+        return DeepSpeedEngine
+    return _missing(name)

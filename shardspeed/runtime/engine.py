@@ -498,3 +498,7 @@ class Engine(nn.Module):
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
         return memory_breakdown(self._p, self.device)
+
+
+# DeepSpeed's name for the engine class (``deepspeed.runtime.engine.DeepSpeedEngine``): isinstance checks pass
+DeepSpeedEngine = Engine
