@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from .layout import FlatLayout, Piece
 from .placement import DevicePlacement, ShardPlacement
+from .status import ZeroParamStatus, mark_stage3, set_status
 from .tags import clear_init_shard, init_shard_of  # parameters built under zero.Init arrive already sliced
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class ShardedParamUnit(FlatParamUnit):
             self.placement = placement
             self._buffer = self.full
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+            mark_stage3(self.params, ZeroParamStatus.AVAILABLE)
             self.release()
             return
         # Assemble this rank's chunk one parameter at a time: peak memory is one whole parameter.
@@ -157,6 +159,7 @@ class ShardedParamUnit(FlatParamUnit):
         for p in self.params:
             p.data = self._placeholder
         self.state = UnitState.SHARDED
+        mark_stage3(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
     def release(self) -> None:
         """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
@@ -169,6 +172,7 @@ class ShardedParamUnit(FlatParamUnit):
         if self._buffer is not None:
             self._buffer.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+        set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
     def _gather_buffer(self) -> torch.Tensor:
         """The unit's one gathered buffer, its storage (re-)allocated."""
@@ -190,6 +194,7 @@ class ShardedParamUnit(FlatParamUnit):
             return
         self._check_untouched()
         full = self._gather_buffer()
+        set_status(self.params, ZeroParamStatus.INFLIGHT)
         if secondary is not None and self._secondary is not None:
             self._pending = (full, secondary.all_gather(full, self._secondary, async_op=True), self._secondary)
             return
@@ -237,6 +242,7 @@ class ShardedParamUnit(FlatParamUnit):
         self.full = full
         self._point_params_at_full()
         self.state = UnitState.GATHERED
+        set_status(self.params, ZeroParamStatus.AVAILABLE)
 
     def gather(self, comm) -> None:
         self.start_gather(comm)
