@@ -181,6 +181,12 @@ class ShardspeedConfig(ConfigModel):
     def _normalize_dtype(cls, value: Any) -> Any:
         return normalize_dtype_name(value)
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value: Any) -> Any:
+        """accelerate writes ``float("inf")`` (DeepSpeed then never prints): the same as None here."""
+        return None if value == float("inf") else value
+
     @model_validator(mode="after")
     def _check(self) -> ShardspeedConfig:
         check_precision(self.fp16, self.bf16)

@@ -35,6 +35,7 @@ from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
+from ..zero.parameter_offload import attach_parameter_offload
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
 from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
 from ..zero.stage3 import ParamManager
@@ -191,6 +192,7 @@ def build_engine(
                              forward_only)
     if manager is not None:  # GatheredParameters' edits of a shard reach the masters
         manager.add_shard_listener(master.refresh_from_shard)
+        attach_parameter_offload(master.optimizer, manager, model)  # DeepSpeed's handle on the hooks (TRL)
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale, plan.precision.compute),

@@ -9,14 +9,20 @@
 - :func:`register_post_backward` passes a module's tensor inputs through an identity autograd Function whose
   backward runs once autograd has computed the gradients of those inputs: the module's whole backward,
   the uses of its frozen weights included, is then done (FSDP2's ``RegisterPostBackwardFunction``).
+
+Also the small helpers stage 3's hook installation uses (:class:`Undo`, :func:`holders`, :func:`within`,
+:func:`flatten_tensors`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from .unit import ShardedParamUnit
 
 
 class ReadGatheringParameters(dict):
@@ -85,3 +91,31 @@ def register_post_backward(args: Tuple[Any, ...], kwargs: Dict[str, Any],
         flat[i] = t
     new_args, new_kwargs = tree_unflatten(flat, spec)
     return True, new_args, new_kwargs
+
+
+class Undo:
+    """A callable undo with the ``remove()`` of torch's hook handles."""
+
+    def __init__(self, undo: Callable[[], None]):
+        self.remove = undo
+
+
+def holders(root: nn.Module, units: Sequence[ShardedParamUnit]) -> List[nn.Module]:
+    """The modules whose own ``_parameters`` hold a parameter of one of ``units``."""
+    mine = {id(p) for u in units for p in u.params}
+    return [m for m in root.modules() if any(p is not None and id(p) in mine for p in m._parameters.values())]
+
+
+def within(module: nn.Module, ancestor: nn.Module) -> bool:
+    """``module`` is ``ancestor`` or one of its submodules."""
+    return any(module is d for d in ancestor.modules())
+
+
+def flatten_tensors(obj) -> List[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in flatten_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in flatten_tensors(o)]
+    return []

@@ -42,7 +42,7 @@ from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..comm.quantized import QuantizedGather
 from .agreement import GatherAgreements
-from .hooks import register_post_backward, watch_parameter_reads
+from .hooks import Undo, flatten_tensors, holders, register_post_backward, watch_parameter_reads, within
 from .init import warn_sharded_state_dict
 from .tags import unit_of
 from .unit import ShardedParamUnit, UnitState
@@ -80,7 +80,7 @@ class ParamManager:
         self._in_backward = False
         self._grad_done: set = set()
         self._keep: set = set()  # units kept gathered until the step (reshard_after_forward=False)
-        self._hooks: list = []
+        self.hooks: list = []  # the registered hooks' handles (remove() each to take a hook off)
         # told when a unit's shard is rewritten outside the optimizer (GatheredParameters' edits): the masters
         self._shard_listeners: List[Callable[[int], None]] = []
         self._root = root
@@ -100,13 +100,27 @@ class ParamManager:
         self._frozen = {u.index for u in self.units if not u.grad_params}
         self._bwd_pending: Dict[int, int] = {i: 0 for i in self._frozen}
         self._needs = self._modules_needing_units(root, owners)
-        self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
+        self._trace_invalid = False  # invalidate_trace() ran and no forward has started recording again
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """(Re-)register the hooks that gather and release units: forward pre/post hooks on the modules that
+        need units, the read watchers, the root's state-dict warning. Hooks already registered are removed
+        first, so they never run twice. Each module gathers what it learned to need (``_needs``)."""
+        self.remove_hooks()
+        root = self._root
+        self.hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
         for m, idx in self._needs.items():
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
-        for m in _holders(root, self.units):
-            self._hooks.append(_Undo(watch_parameter_reads(m, self._on_read)))
-        self._hooks.append(root.register_state_dict_post_hook(warn_sharded_state_dict))
+            self.hooks.append(m.register_forward_pre_hook(self._make_pre_forward(idx), with_kwargs=True))
+            self.hooks.append(m.register_forward_hook(self._make_post_forward(idx)))
+        for m in holders(root, self.units):
+            self.hooks.append(Undo(watch_parameter_reads(m, self._on_read)))
+        self.hooks.append(root.register_state_dict_post_hook(warn_sharded_state_dict))
+
+    def external_parameters(self, module: nn.Module) -> List[nn.Parameter]:
+        """Parameters ``module``'s hooks gather that it does not hold (DeepSpeed's external parameters)."""
+        own = {id(p) for p in module.parameters()}
+        return [p for i in self._needs.get(module, []) for p in self.units[i].params if id(p) not in own]
 
     def _modules_needing_units(self, root: nn.Module, owners: Sequence[nn.Module]) -> Dict[nn.Module, List[int]]:
         """Which units each hooked module gathers: its own units, the units of parameters it holds directly
@@ -119,7 +133,7 @@ class ParamManager:
         for m in root.modules():
             for mp in m._parameters.values():
                 i = unit_of.get(id(mp)) if mp is not None else None
-                if i is None or _within(m, owners[i]):
+                if i is None or within(m, owners[i]):
                     continue
                 if i not in needs.setdefault(m, []):
                     needs[m].append(i)
@@ -241,7 +255,7 @@ class ParamManager:
         ``reshard_after_forward=False``: fewer all-gathers for a pipeline stage, at the cost of holding its
         parameters whole). ``True`` restores per-use gathering."""
         chosen = {u.index for u, m in zip(self.units, self._owners)
-                  if modules is None or any(_within(m, x) for x in modules)}
+                  if modules is None or any(within(m, x) for x in modules)}
         if reshard:
             self._keep -= chosen
             for i in chosen:
@@ -294,7 +308,7 @@ class ParamManager:
                 if self._refs[i] == 0 and not self._needed_again_soon(i, module):
                     self._release(i)
             if torch.is_grad_enabled() and indices:
-                tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
+                tensors = [t for t in flatten_tensors(output) if t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda grads: self._pre_backward(indices), mode="any"
@@ -385,12 +399,25 @@ class ParamManager:
         self._phase = "forward"
         self._pos["forward"] = 0
         self._uses_seen = 0
+        self._trace_invalid = False
         self._stack.clear()  # a forward that raised left its modules on the stack
         if self._replan:  # the last forward read units its modules did not gather: trace this one afresh
             self._replan = False
             self._trace.pop("forward", None)
             self._tracing["forward"] = []
             self._fwd_uses, self._recording_uses = [], True
+
+    def invalidate_trace(self) -> None:
+        """Forget the recorded gather order (prefetch replays nothing until it is recorded again): the next
+        forward and backward record it afresh, as after the engine was built."""
+        self._trace, self._tracing = {}, {"forward": [], "backward": []}
+        self._fwd_uses, self._recording_uses = [], True
+        self._trace_invalid = True
+
+    @property
+    def trace_invalid(self) -> bool:
+        """:meth:`invalidate_trace` ran and no forward has begun recording since."""
+        return self._trace_invalid
 
     def begin_backward(self) -> None:
         """The first unit of a backward is needed: queue this backward's end on autograd's engine."""
@@ -453,40 +480,12 @@ class ParamManager:
         self._pre_backward(indices)
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
+        for h in self.hooks:
             h.remove()
-        self._hooks.clear()
+        self.hooks.clear()
 
 
 def _recomputing() -> bool:
     """A module's forward runs while autograd executes a backward: only activation checkpointing does that
     (reentrant or not). The same test as FSDP2's ``is_bw``."""
     return torch._C._current_graph_task_id() != -1
-
-
-class _Undo:
-    """A callable undo with the ``remove()`` of torch's hook handles."""
-
-    def __init__(self, undo: Callable[[], None]):
-        self.remove = undo
-
-
-def _holders(root: nn.Module, units: Sequence[ShardedParamUnit]) -> List[nn.Module]:
-    """The modules whose own ``_parameters`` hold a parameter of one of ``units``."""
-    mine = {id(p) for u in units for p in u.params}
-    return [m for m in root.modules() if any(p is not None and id(p) in mine for p in m._parameters.values())]
-
-
-def _within(module: nn.Module, ancestor: nn.Module) -> bool:
-    """``module`` is ``ancestor`` or one of its submodules."""
-    return any(module is d for d in ancestor.modules())
-
-
-def _flatten_tensors(obj) -> List[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _flatten_tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _flatten_tensors(o)]
-    return []

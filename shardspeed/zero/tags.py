@@ -1,4 +1,4 @@
-"""The two tags ZeRO puts on a parameter, and the only code that sets, reads or removes them.
+"""The two tags ZeRO puts on a parameter and DeepSpeed's ``ds_*`` attributes: the only code that sets them.
 
 ``_shardspeed_init``: an :class:`~shardspeed.zero.init.InitShard`, set by ``zero.Init`` when it shards the
 parameter (this rank's slice of it); removed when stage 3 takes the slice into a unit.
@@ -13,7 +13,7 @@ may check them); inside shardspeed every reader and writer goes through these fu
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -48,7 +48,24 @@ class ZeroParamStatus(Enum):
 
 def set_ds_status(p: torch.Tensor, available: bool) -> None:
     """Keep DeepSpeed's ``ds_status`` of a sharded parameter: whole (gathered) or a placeholder."""
-    p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+    set_status((p,), ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE)
+
+
+def set_status(params: Iterable[torch.Tensor], status: ZeroParamStatus) -> None:
+    """Record ``status`` on each of ``params`` (their unit's state changed: the unit sets it at every
+    transition, INFLIGHT while its all-gather runs)."""
+    for p in params:
+        p.ds_status = status  # type: ignore[attr-defined]
+
+
+def mark_stage3(params: Iterable[torch.Tensor], status: ZeroParamStatus) -> None:
+    """A unit took ``params``: give them DeepSpeed's two per-parameter ZeRO-3 attributes. shardspeed counts
+    uses per unit, not per parameter, so ``ds_active_sub_modules`` is present and empty, as DeepSpeed's is
+    outside a forward (TRL clears it before generating)."""
+    for p in params:
+        p.ds_status = status  # type: ignore[attr-defined]
+        if not hasattr(p, "ds_active_sub_modules"):
+            p.ds_active_sub_modules = set()  # type: ignore[attr-defined]
 
 
 # ---- zero.Init's tag --------------------------------------------------------------------------------------

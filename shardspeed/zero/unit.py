@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .layout import FlatLayout, Piece
 from .placement import DevicePlacement, ShardPlacement
-from .tags import clear_init_shard, init_shard_of, set_ds_status  # zero.Init: parameters arrive sliced
+from .tags import ZeroParamStatus, clear_init_shard, init_shard_of, mark_stage3, set_status  # zero.Init: sliced
 
 if TYPE_CHECKING:
     from shardspeed.comm.collectives import Collectives, CommHandle
@@ -131,6 +131,7 @@ class ShardedParamUnit(FlatParamUnit):
             self.placement = placement
             self._buffer = self.full
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+            mark_stage3(self.params, ZeroParamStatus.AVAILABLE)
             self.release()
             return
         # Assemble this rank's chunk one parameter at a time: peak memory is one whole parameter.
@@ -157,17 +158,7 @@ class ShardedParamUnit(FlatParamUnit):
         for p in self.params:
             p.data = self._placeholder
         self.state = UnitState.SHARDED
-
-    @property
-    def state(self) -> UnitState:
-        return self._state
-
-    @state.setter
-    def state(self, value: UnitState) -> None:
-        """Every change of state also sets the parameters' DeepSpeed ``ds_status``."""
-        self._state = value
-        for p in self.params:
-            set_ds_status(p, available=value is UnitState.GATHERED)
+        mark_stage3(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
     def release(self) -> None:
         """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
@@ -180,6 +171,7 @@ class ShardedParamUnit(FlatParamUnit):
         if self._buffer is not None:
             self._buffer.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+        set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
     def _gather_buffer(self) -> torch.Tensor:
         """The unit's one gathered buffer, its storage (re-)allocated."""
@@ -201,6 +193,7 @@ class ShardedParamUnit(FlatParamUnit):
             return
         self._check_untouched()
         full = self._gather_buffer()
+        set_status(self.params, ZeroParamStatus.INFLIGHT)
         if secondary is not None and self._secondary is not None:
             self._pending = (full, secondary.all_gather(full, self._secondary, async_op=True), self._secondary)
             return
@@ -248,6 +241,7 @@ class ShardedParamUnit(FlatParamUnit):
         self.full = full
         self._point_params_at_full()
         self.state = UnitState.GATHERED
+        set_status(self.params, ZeroParamStatus.AVAILABLE)
 
     def gather(self, comm) -> None:
         self.start_gather(comm)
