@@ -64,8 +64,11 @@ from .runtime.arguments import add_config_arguments  # noqa: E402  (DeepSpeed's 
 __all__ += ["add_config_arguments"]
 
 # a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``);
-# DeepSpeedEngine is the engine class, imported when first asked for (the engine's import is not cheap)
-_LAZY = {"DeepSpeedEngine": ("shardspeed.runtime.engine", "Engine")}
+# DeepSpeed's other top-level names (DeepSpeedEngine is the engine class) are imported when first asked for
+_LAZY = {"DeepSpeedEngine": ("shardspeed.runtime.engine", "Engine"),
+         "get_accelerator": ("shardspeed.accelerator", "get_accelerator"),
+         "PipelineModule": ("shardspeed.pipe", "PipelineModule"),
+         "DeepSpeedConfig": ("shardspeed.runtime.config", "DeepSpeedConfig")}
 _missing = module_getattr(__name__)
 
 

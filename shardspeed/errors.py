@@ -31,3 +31,8 @@ class NotProvidedError(ShardspeedError, AttributeError):
 
 class NotProvidedModuleError(ShardspeedError, ModuleNotFoundError):
     """A DeepSpeed module that shardspeed's ``deepspeed`` compatibility does not provide."""
+
+
+class NotProvidedImportError(ShardspeedError, ImportError):
+    """``from deepspeed import X`` for a name shardspeed's ``deepspeed`` compatibility does not provide (Python
+    would replace the AttributeError with its own "cannot import name" and lose the line)."""

@@ -68,3 +68,19 @@ def test_missing_top_level_name_is_one_line():
         assert str(e) == "shardspeed's deepspeed compatibility does not provide deepspeed.no_such_name"
     else:
         raise AssertionError("no error")
+
+
+def test_from_import_of_a_missing_name_keeps_the_line():
+    """``from deepspeed import X`` would become Python's generic "cannot import name"; ours says the line, and
+    ``hasattr`` still answers False."""
+    import pytest
+
+    from shardspeed.errors import NotProvidedImportError
+    with pytest.raises(NotProvidedImportError, match="does not provide deepspeed.init_inference$"):
+        from shardspeed import init_inference  # noqa: F401
+    with pytest.raises(NotProvidedImportError, match="does not provide deepspeed.ops.adam.NoSuchOptimizer$"):
+        from shardspeed.ops.adam import NoSuchOptimizer  # noqa: F401
+    assert not hasattr(shardspeed, "init_inference")
+    from shardspeed import DeepSpeedEngine, get_accelerator  # DeepSpeed's top-level names, imported when asked
+    from shardspeed.runtime.engine import Engine
+    assert DeepSpeedEngine is Engine and get_accelerator().device_name() in ("cpu", "cuda")

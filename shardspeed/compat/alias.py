@@ -13,6 +13,7 @@ transformers need >= 0.9.3, Lightning >= 0.16.0, TRL's ZeRO-3 generation path >=
 """
 from __future__ import annotations
 
+import dis
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -22,7 +23,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from ..errors import NotProvidedError, NotProvidedModuleError
+from ..errors import NotProvidedError, NotProvidedImportError, NotProvidedModuleError
 
 DEEPSPEED_VERSION = "0.18.2+shardspeed.0.1.0"
 _PREFIX, _TARGET = "deepspeed.", "shardspeed."
@@ -53,6 +54,23 @@ def not_provided(what: str) -> NotProvidedError:
     return NotProvidedError(f"shardspeed's deepspeed compatibility does not provide {deepspeed_name(what)}")
 
 
+_IMPORT_FROM = dis.opmap["IMPORT_FROM"]
+
+
+def _missing_name(what: str) -> Exception:
+    """:func:`not_provided`, or the same line as an ImportError when the lookup is a ``from m import name``
+    statement's (the frame above the chain of module ``__getattr__`` calls is at ``IMPORT_FROM``): Python turns
+    an AttributeError there into its own "cannot import name", losing the line; ``hasattr`` still gets an
+    AttributeError."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_name == "__getattr__" or frame.f_globals.get("__name__") == __name__):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is not None and 0 <= frame.f_lasti < len(frame.f_code.co_code) \
+            and frame.f_code.co_code[frame.f_lasti] == _IMPORT_FROM:
+        return NotProvidedImportError(str(not_provided(what)))
+    return not_provided(what)
+
+
 def module_getattr(module_name: str, fallback: Optional[ModuleType] = None) -> Callable[[str], Any]:
     """A module-level ``__getattr__`` for a DeepSpeed-mirroring module: a name it lacks is looked up on
     ``fallback`` (if any), then as a submodule, else fails with the one line. Dunder probes get a plain
@@ -61,8 +79,11 @@ def module_getattr(module_name: str, fallback: Optional[ModuleType] = None) -> C
     def __getattr__(name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-        if fallback is not None and hasattr(fallback, name):
-            return getattr(fallback, name)
+        if fallback is not None:
+            try:
+                return getattr(fallback, name)
+            except (AttributeError, NotProvidedImportError):
+                pass
         try:
             return importlib.import_module(f"{module_name}.{name}")
         except NotProvidedModuleError:
@@ -70,7 +91,7 @@ def module_getattr(module_name: str, fallback: Optional[ModuleType] = None) -> C
         except ModuleNotFoundError as exc:
             if exc.name != f"{module_name}.{name}":
                 raise
-        raise not_provided(f"{module_name}.{name}")
+        raise _missing_name(f"{module_name}.{name}")
 
     return __getattr__
 
