@@ -141,21 +141,6 @@ def _close(ds, ours, bf16, what):
         assert abs(a - b) <= tol, f"{what} step {i}: DeepSpeed {a!r}, shardspeed {b!r} (|diff| {abs(a - b):.3g} > {tol:.3g})"
 
 
-# What stops each script on shardspeed's package today (found by supplying each missing name in a scratch copy, in
-# turn, until the script ran; none of those stand-ins is in shardspeed). Flip these once the names land.
-_ACCEL = "deepspeed.accelerator (get_accelerator) is not provided yet"
-_CIFAR = _ACCEL + "; then add_config_arguments, engine.local_rank, engine.bfloat16_enabled()/fp16_enabled()"
-_BERT = _ACCEL + " (with it alone, the run equals DeepSpeed's, resume included)"
-_PIPE = (_ACCEL + "; then add_config_arguments, init_distributed(dist_backend=...), deepspeed.runtime.utils"
-         " reachable as an attribute with set_random_seed")
-_CHAT = ("'from deepspeed import get_accelerator' (an ImportError, not the one line); then ops.adam.FusedAdam, "
-         "runtime.zero.partition_parameters (ZeroParamStatus, zero_wrapper_for_fp_tensor_constructor, "
-         "_orig_torch_arange for transformers' zero.Init), engine.tput_timer; at ZeRO 3 torch.save of a "
-         "parameter (no ds_id) pickles its shardspeed tag and fails on a ProcessGroup")
-_BF16 = _ACCEL + " (with it, baseline.json equals DeepSpeed's)"
-
-
-@pytest.mark.xfail(strict=True, reason=_CIFAR)
 def test_cifar10_zero_0_to_3_fp32_and_bf16(runs):
     ds, ours = _results(runs, "cifar10_deepspeed.py")
     assert sorted(ds) == sorted(ours) == sorted(f"{d}/{s}" for d in ("fp32", "bf16") for s in range(4))
@@ -164,7 +149,6 @@ def test_cifar10_zero_0_to_3_fp32_and_bf16(runs):
         assert (got["correct"], got["total"]) == (ours[case]["correct"], ours[case]["total"])
 
 
-@pytest.mark.xfail(strict=True, reason=_BERT)
 def test_hello_deepspeed_bf16_offload_and_resume(runs):
     ds, ours = _results(runs, "train_bert_ds.py")
     _close(ds["losses"], ours["losses"], True, "HelloDeepSpeed")
@@ -172,7 +156,6 @@ def test_hello_deepspeed_bf16_offload_and_resume(runs):
     assert (ds["tags"], ds["latest"]) == (ours["tags"], ours["latest"])
 
 
-@pytest.mark.xfail(strict=True, reason=_PIPE)
 def test_pipeline_example_data_parallel_and_two_stages(runs):
     ds, ours = _results(runs, "pipeline_train.py")
     assert sorted(ds) == sorted(ours) == ["0", "2"]
@@ -180,7 +163,6 @@ def test_pipeline_example_data_parallel_and_two_stages(runs):
     _close(ds["2"], ours["2"], False, "pipeline -p 2 (train_batch)")
 
 
-@pytest.mark.xfail(strict=True, reason=_CHAT)
 @pytest.mark.parametrize("entry,stage", [(0, "0"), (1, "2"), (2, "3")])
 def test_deepspeed_chat_sft(runs, entry, stage):
     ds, ours = (r[stage] for r in _results(runs, "dschat_sft.py", entry))
@@ -189,13 +171,11 @@ def test_deepspeed_chat_sft(runs, entry, stage):
     _close([ds["saved_sum"]], [ours["saved_sum"]], True, f"DS-Chat ZeRO {stage} saved weights")
 
 
-@pytest.mark.xfail(strict=True, reason=_BF16)
 def test_bf16_master_weight_baseline(runs):
     ds, ours = _results(runs, "bf16_master_weight.py", 0)
     _close(ds["baseline.json"], ours["baseline.json"], True, "bf16_master_weight baseline.json")
 
 
-@pytest.mark.xfail(strict=True, reason=_ACCEL + " (the configs then fail on their torch_autocast block)")
 @pytest.mark.parametrize("entry", [1, 2])
 def test_bf16_master_weight_low_precision_configs_refused(runs, entry):
     """DeepSpeed trains bf16_master_wg.json and bf16_full.json; shardspeed refuses them with one ConfigError

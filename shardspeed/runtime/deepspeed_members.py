@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..compat.alias import not_provided
 from ..errors import ConfigError, NotProvidedError, ShardspeedError
+from ..utils.timer import ThroughputTimer
 from .compat_links import link_engine
 from .state_offload import StateOffload
 
@@ -112,6 +113,7 @@ class DeepSpeedMembers:
     global_steps: int
 
     def _init_deepspeed_members(self) -> None:
+        self.tput_timer = ThroughputTimer(batch_size=self._p.train_batch_size, steps_per_output=self.steps_per_print())
         link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self._states = StateOffload(self._p.topology.device)
         self._record_overflow(False)

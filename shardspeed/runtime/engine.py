@@ -295,6 +295,7 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.tput_timer.start()
         with self._timers("forward"), self._report.flops_scope("forward", self.global_steps):
             args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
             if self._p.input_check is not None:
@@ -332,7 +333,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         if self._in_no_sync:
             raise ShardspeedError("step() was called inside no_sync(): leave the context before stepping")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             profiled = self._report.flops_active(self.global_steps)
             with self._timers("step"), self._report.flops_scope("step", self.global_steps):
                 self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
@@ -344,6 +346,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             if self._p.profile_window is not None:  # a tuner's trial: may write its metrics and exit
                 self._p.profile_window.after_step(self.global_steps, self.flops_per_step())
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
         self._boundary_override = None
 
     def _optimizer_step(self) -> None:
