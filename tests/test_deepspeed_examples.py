@@ -18,8 +18,6 @@ import sys
 
 import pytest
 
-from shardspeed.compat import site_path
-
 pytest.importorskip("deepspeed")
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_examples")
@@ -72,13 +70,16 @@ def _plan(folder, who):
 
 
 def _launch(plan, ours, cwd):
-    """Both ways through torchrun + run_examples.py, which appends --local_rank like DeepSpeed's launcher.
-    Once ``shardspeed run --as-deepspeed`` lands, ours is:
-    [sys.executable, "-m", "shardspeed.cli", "run", "--nproc", "2", "--as-deepspeed", runner, plan]."""
+    """DeepSpeed through torchrun + run_examples.py (which appends --local_rank like DeepSpeed's launcher);
+    ours through ``shardspeed run --as-deepspeed`` (its workers get --local_rank, and ``import deepspeed`` finds
+    shardspeed's package)."""
     runner = os.path.join(HERE, "run_examples.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", runner, plan]
+    if ours:
+        cmd = [sys.executable, "-m", "shardspeed.cli", "run", "--nproc", "2", "--as-deepspeed", runner, plan]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", runner, plan]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDSPEED_TIMEOUT="120")
-    env["PYTHONPATH"] = os.pathsep.join([site_path(), REPO] if ours else [REPO])
+    env["PYTHONPATH"] = REPO
     if not ours:
         env["DS_ACCELERATOR"] = "cpu"
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -128,6 +129,9 @@ def runs(tmp_path_factory, deepspeed_fused_adam):
 
 def _results(runs, script, entry=0):
     parsed, texts = runs
+    for who, shardspeeds in (("ours", True), ("deepspeed", False)):  # each ran on the deepspeed it should
+        versions = [line.split(" ", 1)[1] for line in texts[who].splitlines() if line.startswith("EXAMPLE_DEEPSPEED ")]
+        assert versions and ("+shardspeed" in versions[0]) is shardspeeds, f"{who} imported deepspeed {versions}"
     ds, ours = parsed["deepspeed"].get(script, [])[entry:entry + 1], parsed["ours"].get(script, [])[entry:entry + 1]
     assert ds and ds[0][0] == "ok", f"DeepSpeed's run of {script} failed: {ds}\n{texts['deepspeed'][-3000:]}"
     assert ours and ours[0][0] == "ok", f"shardspeed's run of {script}: {ours[0][1] if ours else 'not reached'}"

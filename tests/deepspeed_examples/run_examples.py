@@ -16,13 +16,16 @@ import traceback
 
 
 def main() -> None:
-    plan_path = sys.argv[1]
-    given = [a for a in sys.argv[2:] if a.startswith("--local_rank")]
+    plan_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
+    given = [a for a in sys.argv[1:] if a.startswith("--local_rank")]  # DeepSpeed's launcher puts it first
     local_rank = given[-1] if given else f"--local_rank={os.environ['LOCAL_RANK']}"
     with open(plan_path) as f:
         plan = json.load(f)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
+    if os.environ.get("RANK", "0") == "0":
+        import deepspeed
+        print(f"EXAMPLE_DEEPSPEED {deepspeed.__version__}", flush=True)  # which deepspeed the scripts get
     for i, (script, args) in enumerate(plan):
         path = os.path.join(here, script)
         if os.environ.get("RANK", "0") == "0":
