@@ -92,12 +92,15 @@ def registration_order(meta: CheckpointMetadata) -> List[Tuple[str, List[int]]]:
 def _ds():
     try:
         import deepspeed
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
     except ImportError as exc:
         raise CheckpointError(f"writing DeepSpeed's layout needs deepspeed importable (its checkpoints pickle its "
                               f"loss scaler and stage enum): {exc}") from exc
+    if "+shardspeed" in deepspeed.__version__:  # shardspeed's own package (shardspeed deepspeed-path) is on the path
+        raise CheckpointError("writing DeepSpeed's layout needs the real deepspeed (its checkpoints pickle its own "
+                              "classes); run without shardspeed's deepspeed package on PYTHONPATH")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
     return deepspeed.__version__, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address
 
 
