@@ -7,6 +7,7 @@ import torch
 
 from ...compat.alias import module_getattr
 from ...errors import ConfigError
+from ..adam.adam_math import check_on_cpu, step_each
 
 
 class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
@@ -19,31 +20,18 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
         DeepSpeedCPUAdagrad.optimizer_id += 1
         self.fp32_optimizer_states = fp32_optimizer_states
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.device.type != "cpu":
-                    raise ConfigError(f"DeepSpeedCPUAdagrad: a parameter is on {p.device} and must be on the CPU; "
-                                      "enable 'offload_optimizer': {'device': 'cpu'} or use torch.optim.Adagrad")
-                if p.grad.is_sparse:
-                    raise ConfigError("DeepSpeedCPUAdagrad: sparse gradients are not supported here; "
-                                      "use torch.optim.Adagrad")
-                self._update(p, group)
-        return loss
+        return step_each(self, closure, self._update)
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
+        check_on_cpu("DeepSpeedCPUAdagrad", p, "torch.optim.Adagrad")
+        assert p.grad is not None  # step_each skips parameters without a gradient
+        if p.grad.is_sparse:
+            raise ConfigError("DeepSpeedCPUAdagrad: sparse gradients are not supported here; use torch.optim.Adagrad")
         state = self.state[p]
         if not state:
             dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
             state.update(step=0, exp_avg_sq=torch.zeros_like(p, dtype=dtype))
-        assert p.grad is not None  # step() skips parameters without a gradient
         state["step"] += 1
         v = state["exp_avg_sq"]
         work, g = p.detach().to(v.dtype), p.grad.detach().to(v.dtype)

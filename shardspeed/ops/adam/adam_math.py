@@ -8,11 +8,33 @@ always correct) runs the same update, uncorrected, with plain tensor ops.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from ...errors import ConfigError
+
+
+def step_each(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]],
+              update: Callable[[torch.Tensor, Dict[str, Any]], None]) -> Any:
+    """``optimizer.step(closure)`` of DeepSpeed's ops: the closure's loss (under grad), then ``update(p, group)``
+    for every parameter that has a gradient."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    update(p, group)
+    return loss
+
+
+def check_on_cpu(cls_name: str, p: torch.Tensor, instead: str) -> None:
+    if p.device.type != "cpu":
+        raise ConfigError(f"{cls_name}: a parameter is on {p.device} and must be on the CPU; "
+                          f"enable 'offload_optimizer': {{'device': 'cpu'}} or use {instead}")
 
 
 def check_no_amsgrad(cls_name: str, amsgrad: bool) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...compat.alias import module_getattr
-from ...errors import ConfigError
-from .adam_math import adam_update, check_no_amsgrad, new_state
+from .adam_math import adam_update, check_no_amsgrad, check_on_cpu, new_state, step_each
 
 
 class DeepSpeedCPUAdam(torch.optim.Optimizer):
@@ -32,24 +31,15 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         check_no_amsgrad("DeepSpeedCPUAdam", bool(param_group.get("amsgrad", self.defaults.get("amsgrad", False))))
         super().add_param_group(param_group)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.device.type != "cpu":
-                    raise ConfigError(f"DeepSpeedCPUAdam: a parameter is on {p.device} and must be on the CPU; "
-                                      "enable 'offload_optimizer': {'device': 'cpu'} or use FusedAdam")
-                state = self.state[p]
-                if not state:
-                    state.update(new_state(p, self.fp32_optimizer_states))
-                adam_update(p, state, group, adamw=bool(group.get("adamw_mode", self.adam_w_mode)))
-        return loss
+        return step_each(self, closure, self._update)
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        check_on_cpu("DeepSpeedCPUAdam", p, "FusedAdam")
+        state = self.state[p]
+        if not state:
+            state.update(new_state(p, self.fp32_optimizer_states))
+        adam_update(p, state, group, adamw=bool(group.get("adamw_mode", self.adam_w_mode)))
 
 
 __getattr__ = module_getattr(__name__)

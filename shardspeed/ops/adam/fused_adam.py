@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...compat.alias import module_getattr
-from .adam_math import adam_update, check_no_amsgrad, new_state
+from .adam_math import adam_update, check_no_amsgrad, new_state, step_each
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -24,23 +24,16 @@ class FusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=self.set_grad_none)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
-                state = self.state[p]
-                if not state:
-                    state.update(new_state(p, fp32_states=False))
-                adam_update(p, state, group, adamw=bool(group.get("adamw_mode", self.adam_w_mode)))
-        return loss
+        return step_each(self, closure, self._update)
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
+        state = self.state[p]
+        if not state:
+            state.update(new_state(p, fp32_states=False))
+        adam_update(p, state, group, adamw=bool(group.get("adamw_mode", self.adam_w_mode)))
 
 
 __getattr__ = module_getattr(__name__)

@@ -5,8 +5,8 @@ shardspeed leaves the parameter (sign 0) and DeepSpeed's kernel moves it by lr."
 from __future__ import annotations
 
 from ...compat.alias import module_getattr
-from ...errors import ConfigError
 from ...optim.lion import Lion
+from ..adam.adam_math import check_on_cpu
 
 
 class DeepSpeedCPULion(Lion):
@@ -22,9 +22,8 @@ class DeepSpeedCPULion(Lion):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and p.device.type != "cpu":
-                    raise ConfigError(f"DeepSpeedCPULion: a parameter is on {p.device} and must be on the CPU; "
-                                      "enable 'offload_optimizer': {'device': 'cpu'} or use FusedLion")
+                if p.grad is not None:
+                    check_on_cpu("DeepSpeedCPULion", p, "FusedLion")
         return super().step(closure)
 
 
