@@ -23,9 +23,11 @@ def test_tags_set_read_clear():
 
     p = torch.nn.Parameter(torch.zeros(3))
     assert tags.init_shard_of(p) is None and tags.unit_of(p) is None and not tags.is_sharded(p)
-    info, unit, manager = object(), object(), object()
+    from types import SimpleNamespace
+    info, unit, manager = SimpleNamespace(shape=(3,)), object(), object()
     tags.tag_init_shard(p, info)  # type: ignore[arg-type]
     assert tags.init_shard_of(p) is info and p._shardspeed_init is info and tags.is_sharded(p)  # the name stays
+    assert (p.ds_shape, p.ds_numel, p.ds_status) == (torch.Size([3]), 3, tags.ZeroParamStatus.NOT_AVAILABLE)
     tags.clear_init_shard(p)
     tags.clear_init_shard(p)  # nothing left: a no-op
     assert not hasattr(p, "_shardspeed_init") and not tags.is_sharded(p)
