@@ -24,7 +24,7 @@ def test_tags_set_read_clear():
     p = torch.nn.Parameter(torch.zeros(3))
     assert tags.init_shard_of(p) is None and tags.unit_of(p) is None and not tags.is_sharded(p)
     from types import SimpleNamespace
-    info, unit, manager = SimpleNamespace(shape=(3,)), object(), object()
+    info, unit, manager = SimpleNamespace(shape=(3,)), SimpleNamespace(shapes=[None, None, (3,)]), object()
     tags.tag_init_shard(p, info)  # type: ignore[arg-type]
     assert tags.init_shard_of(p) is info and p._shardspeed_init is info and tags.is_sharded(p)  # the name stays
     assert (p.ds_shape, p.ds_numel, p.ds_status) == (torch.Size([3]), 3, tags.ZeroParamStatus.NOT_AVAILABLE)
