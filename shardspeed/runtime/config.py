@@ -16,6 +16,13 @@ import torch.distributed as dist
 from ..compat.alias import module_getattr, not_provided
 from ..config.loader import load_config, parse_config, read_json
 
+# DeepSpeed's names of the config's optimizer types (``"optimizer": {"type": ...}``, matched case-insensitively)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+
 
 def _world_and_rank(raw: Dict[str, Any], mpu: Any) -> tuple:
     if not dist.is_available() or not dist.is_initialized():
