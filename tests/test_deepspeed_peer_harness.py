@@ -2,11 +2,14 @@
 ``deepspeed`` package beyond the integrations' names, each against the real DeepSpeed as the oracle (a
 subprocess each): the harness's ``init_distributed(init_method="file://...", rank=, world_size=)`` rendezvous and
 its ``deepspeed.comm`` calls, the LR schedules' and optimizers' key constants, ``get_bfloat16_config``,
-``required_torch_version``, ``git_version_info.torch_info``, ``see_memory_usage`` and ``ZeRORuntimeException``."""
+``required_torch_version``, ``git_version_info.torch_info``, ``see_memory_usage``, ``ZeRORuntimeException``, the
+package's ``__version_major__`` and git names, ``initialize(model=None)`` as an AssertionError, and the deprecated
+``args.deepscale_config``."""
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -27,6 +30,7 @@ LR_KEYS = ["LR_SCHEDULE", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DEC
 
 PROBE = r"""
 import contextlib, importlib.metadata, io, json, sys
+import torch
 import deepspeed
 import deepspeed.runtime.lr_schedules as lrs
 from deepspeed.runtime import config as cfg
@@ -55,13 +59,45 @@ try:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 except ImportError as e:
     out["bf16_optimizer"] = str(e)
+out["version_parts"] = [deepspeed.__version_major__, deepspeed.__version_minor__, deepspeed.__version_patch__]
+out["git"] = [hasattr(deepspeed, "__git_hash__"), hasattr(deepspeed, "__git_branch__")]
+out["allreduce_op"] = cfg.DeepSpeedConfig({"train_batch_size": 1}).gradient_allreduce_op
+out["no_model"] = []
+for call in (lambda: deepspeed.initialize(model=None, config={"train_batch_size": 1}),
+             lambda: deepspeed.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})):
+    try:
+        call()
+    except AssertionError:
+        out["no_model"].append("AssertionError")
+import argparse, os, tempfile, torch
+path = os.path.join(tempfile.mkdtemp(), "ds.json")
+with open(path, "w") as f:
+    json.dump({"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}, f)
+args = argparse.Namespace(deepscale_config=path, local_rank=0)
+torch.manual_seed(0)
+engine, *_ = deepspeed.initialize(args=args, model=torch.nn.Linear(4, 1), model_parameters=None)
+x, y = torch.randn(2, 4), torch.randn(2, 1)
+losses = []
+for _ in range(3):
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+out["deepscale"] = [engine.train_batch_size(), losses]
 print("RESULT " + json.dumps(out))
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _probe(package: bool) -> dict:
     paths = [site_path(), os.getcwd()] if package else [os.getcwd()]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     res = subprocess.run([sys.executable, "-c", PROBE, json.dumps(LR_KEYS)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -75,11 +111,20 @@ def both():
 
 def test_constants_and_helpers_equal_deepspeeds(both):
     ours, real = both
-    for key in ("lr", "opt", "bf16", "torch_version", "version", "zero_exc"):
+    for key in ("lr", "opt", "bf16", "torch_version", "version", "zero_exc", "git", "allreduce_op", "no_model"):
         assert ours[key] == real[key], key
+    assert ours["no_model"] == ["AssertionError", "AssertionError"]
+    assert ours["version_parts"] == [0, 18, 2] and len(real["version_parts"]) == 3
     assert ours["bf16"] == ["bf16", "bfloat16", True, True, False, False]
     assert ours["torch_version"] == [True, False, False, True, True]
     assert set(real["torch_info"]) <= set(ours["torch_info"])
+
+
+def test_deprecated_deepscale_config_argument_trains_as_deepspeed(both):
+    ours, real = both
+    assert ours["deepscale"][0] == real["deepscale"][0] == 2
+    assert ours["deepscale"][1] == pytest.approx(real["deepscale"][1], abs=1e-5)
+    assert ours["deepscale"][1][2] < ours["deepscale"][1][0]
 
 
 def test_see_memory_usage_prints_as_deepspeed(both):
@@ -117,7 +162,7 @@ def _harness_rank(rank: int, path: str, port: int, out) -> None:
 def test_harness_file_rendezvous_and_comm_calls(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_harness_rank, args=(r, str(tmp_path / "store"), 29613, out)) for r in range(2)]
+    procs = [ctx.Process(target=_harness_rank, args=(r, str(tmp_path / "store"), _free_port(), out)) for r in range(2)]
     for p in procs:
         p.start()
     got = [out.get(timeout=240) for _ in range(4)]

@@ -52,6 +52,7 @@ class DeepSpeedConfig:
         self.float16_config = m.fp16
         self.bfloat16_config = m.bf16
         self.gradient_clipping = m.gradient_clipping
+        self.gradient_allreduce_op = m.gradient_allreduce_op
         self.steps_per_print = m.steps_per_print
         self.wall_clock_breakdown = m.wall_clock_breakdown
         self.prescale_gradients = m.prescale_gradients
