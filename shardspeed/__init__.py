@@ -38,16 +38,18 @@ def initialize(
     Megatron-style model-parallel unit: ZeRO then shards over ``mpu.get_data_parallel_group()`` (as in
     DeepSpeed) instead of the data dimension of the mesh built from the config.
     """
+    from .errors import RequiredArgumentError
     from .monitor.log import setup_logging
     from .runtime.builder import build_engine
 
     setup_logging()
     if model is None:
-        raise ConfigError("initialize() needs model=")
+        raise RequiredArgumentError("initialize() needs model=")
     if config is None:
         config = config_params
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None) \
+            or getattr(args, "config", None)
     engine = build_engine(model, config, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
                           dist_init_required=dist_init_required, mpu=mpu)

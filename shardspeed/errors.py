@@ -12,6 +12,11 @@ class ConfigError(ShardspeedError, ValueError):
     """The configuration is invalid: the message names the key and what it may be."""
 
 
+class RequiredArgumentError(ConfigError, AssertionError):
+    """A required argument is missing (also an AssertionError: DeepSpeed asserts these, and its callers' tests
+    expect that type)."""
+
+
 class DistributedError(ShardspeedError, RuntimeError):
     """A collective failed, timed out, or ranks disagree (e.g. a rank died or diverged)."""
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ..compat.alias import module_getattr
 from ..errors import ConfigError
 from ..mesh.init import init_distributed as _init_distributed
 
@@ -72,5 +73,25 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
+def all_gather(tensor_list: list, tensor: torch.Tensor, group=None, async_op: bool = False):
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def destroy_process_group(group=None) -> None:
+    dist.destroy_process_group(group)
+
+
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "barrier",
-           "all_reduce", "broadcast", "ReduceOp"]
+           "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+           "destroy_process_group", "ReduceOp"]
+
+__getattr__ = module_getattr(__name__)

@@ -85,6 +85,8 @@ def init_distributed(
                 int(os.environ["MASTER_PORT"]), world, rank == 0, kwargs["timeout"]))
         else:
             kwargs["init_method"] = init_method or "env://"
+            if not kwargs["init_method"].startswith("env://"):  # file:// and tcp:// take rank and size as arguments
+                kwargs.update(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(**kwargs)
     elif init_method is not None:
         dist.init_process_group(init_method=init_method, rank=0, world_size=1, **kwargs)

@@ -16,6 +16,13 @@ import torch.distributed as dist
 from ..compat.alias import module_getattr, not_provided
 from ..config.loader import load_config, parse_config, read_json
 
+# DeepSpeed's names of the config's optimizer types (``"optimizer": {"type": ...}``, matched case-insensitively)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+
 
 def _world_and_rank(raw: Dict[str, Any], mpu: Any) -> tuple:
     if not dist.is_available() or not dist.is_initialized():
@@ -45,6 +52,7 @@ class DeepSpeedConfig:
         self.float16_config = m.fp16
         self.bfloat16_config = m.bf16
         self.gradient_clipping = m.gradient_clipping
+        self.gradient_allreduce_op = m.gradient_allreduce_op
         self.steps_per_print = m.steps_per_print
         self.wall_clock_breakdown = m.wall_clock_breakdown
         self.prescale_gradients = m.prescale_gradients

@@ -1,6 +1,7 @@
 """``deepspeed.runtime.lr_schedules``: DeepSpeed's five LR schedules (shardspeed's, in
-:mod:`shardspeed.optim.schedules`: the same formulas, defaults and checkpoint state), their names and
-``VALID_LR_SCHEDULES`` (what accelerate checks a config's scheduler type against)."""
+:mod:`shardspeed.optim.schedules`: the same formulas, defaults and checkpoint state), their names, the key
+names of their parameters (DeepSpeed's constants) and ``VALID_LR_SCHEDULES`` (what accelerate checks a
+config's scheduler type against)."""
 from __future__ import annotations
 
 from ..compat.alias import module_getattr
@@ -13,6 +14,26 @@ WARMUP_LR = "WarmupLR"
 WARMUP_DECAY_LR = "WarmupDecayLR"
 WARMUP_COSINE_LR = "WarmupCosineLR"
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
+
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
 
 WARMUP_MIN_LR = "warmup_min_lr"
 WARMUP_MAX_LR = "warmup_max_lr"

@@ -11,6 +11,8 @@ from shardspeed.compat import alias as _alias
 _alias.install()
 
 __version__ = _alias.DEEPSPEED_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(p) for p in __version__.split("+")[0].split("."))
+__git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's values for a build without git information
 __path__ = []  # submodules come from the finder, never from this folder
 __shardspeed__ = _shardspeed.__version__
 
