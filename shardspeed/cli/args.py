@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .usage import UsageError
+
 # Options that mean the user chose the rendezvous themselves: then --standalone is not added.
 _RENDEZVOUS_OPTIONS = {
     "--standalone",
@@ -14,10 +16,6 @@ _RENDEZVOUS_OPTIONS = {
     "--master-port",
     "--node-rank",
 }
-
-
-class UsageError(ValueError):
-    """A command line that cannot be turned into a torchrun command line."""
 
 
 def torchrun_option_arity() -> dict[str, int]:

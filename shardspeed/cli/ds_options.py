@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .args import UsageError
+from .usage import UsageError
 
 #: DeepSpeed's options that take a value -> the name they are kept under (aliases share one).
 VALUE_OPTIONS = {

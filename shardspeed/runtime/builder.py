@@ -180,19 +180,14 @@ def build_engine(
     broadcast_module_state(model, collectives, experts)
     comms_logger.reset()
 
-    params, group_of = _trainable_in_grad_order(model, groups)
-    if forward_only:  # nothing to train: no flat units (stages 0-2), no masters; stage 3 still shards
-        params, group_of = [], {}
-    elif not params:
-        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+    params, group_of = _trained(model, groups, forward_only)
     timers = Timers(cfg.wall_clock_breakdown, topo.device)
     units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
     master = _master_weights(plan, units, reducer, collectives, group_of,
                              (lambda _groups: None) if forward_only else _optimizer_factory(cfg, groups, optimizer),
                              forward_only)
-    if manager is not None:  # GatheredParameters' edits of a shard reach the masters
-        manager.add_shard_listener(master.refresh_from_shard)
-        attach_parameter_offload(master.optimizer, manager, model)  # DeepSpeed's handle on the hooks (TRL)
+    if manager is not None:
+        _link_stage3(manager, master, model)
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
         master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale, plan.precision.compute),
@@ -222,6 +217,24 @@ def build_engine(
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", json.dumps(mask_secrets(cfg.model_dump(mode="json")), indent=2))
     return engine
+
+
+def _trained(model: nn.Module, groups, forward_only: bool):
+    """The parameters the engine trains, in gradient order, and their groups; none for a forward-only engine
+    (no flat units at stages 0-2, no masters; stage 3 still shards)."""
+    params, group_of = _trainable_in_grad_order(model, groups)
+    if forward_only:
+        return [], {}
+    if not params:
+        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+    return params, group_of
+
+
+def _link_stage3(manager, master, model: nn.Module) -> None:
+    """GatheredParameters' edits of a shard reach the masters; DeepSpeed's handle on the hooks (TRL's
+    ``engine.optimizer.parameter_offload``)."""
+    manager.add_shard_listener(master.refresh_from_shard)
+    attach_parameter_offload(master.optimizer, manager, model)
 
 
 def _user_topology(mpu) -> Optional[Topology]:

@@ -2,6 +2,6 @@
 itself (``deepspeed.checkpointing`` is the same module in DeepSpeed), registered under this name too."""
 import sys
 
-from ... import checkpointing as _checkpointing
+import shardspeed.checkpointing as _checkpointing
 
 sys.modules[__name__] = _checkpointing
