@@ -7,7 +7,7 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from .tags import init_shard_of, set_ds_status, unit_of
+from .tags import ZeroParamStatus, init_shard_of, set_status, unit_of
 from .unit import UnitState
 
 
@@ -69,7 +69,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
             assert info is not None
             full = info.gather_full()
             p.data = full.to(dtype=p.dtype, device=p.device) if p.data.numel() else full
-            set_ds_status(p, available=True)
+            set_status((p,), ZeroParamStatus.AVAILABLE)
     try:
         yield
     finally:
@@ -89,7 +89,7 @@ def GatheredParameters(params: Union[nn.Parameter, Iterable[nn.Parameter]], modi
                     info.collectives.broadcast(full, modifier_rank)
                 info.write_full(full)
             p.data = placeholder
-            set_ds_status(p, available=False)
+            set_status((p,), ZeroParamStatus.NOT_AVAILABLE)
 
 
 def _in_autograd() -> bool:

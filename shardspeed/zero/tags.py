@@ -46,11 +46,6 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3
 
 
-def set_ds_status(p: torch.Tensor, available: bool) -> None:
-    """Keep DeepSpeed's ``ds_status`` of a sharded parameter: whole (gathered) or a placeholder."""
-    set_status((p,), ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE)
-
-
 def set_status(params: Iterable[torch.Tensor], status: ZeroParamStatus) -> None:
     """Record ``status`` on each of ``params`` (their unit's state changed: the unit sets it at every
     transition, INFLIGHT while its all-gather runs)."""
@@ -79,14 +74,14 @@ def tag_init_shard(p: torch.Tensor, info: InitShard) -> None:
     """Record that ``zero.Init`` sharded ``p``: ``info`` holds this rank's slice."""
     setattr(p, INIT_TAG, info)
     set_ds_attributes(p, info.shape)
-    set_ds_status(p, available=False)
+    set_status((p,), ZeroParamStatus.NOT_AVAILABLE)
 
 
 def set_ds_attributes(p: torch.Tensor, shape) -> None:
     """DeepSpeed's read-only attributes of a partitioned parameter, which callers read instead of the
     placeholder's shape: ``ds_shape`` / ``ds_numel`` (peft's LoRA layers, the Hugging Face Trainer's parameter
     count) and ``ds_id`` (unique while the parameter lives). Kept when a unit takes the parameter;
-    ``ds_status`` follows the gathers (:func:`set_ds_status`)."""
+    ``ds_status`` follows the gathers (:func:`set_status`)."""
     if getattr(p, "ds_shape", None) is None:
         p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
         p.ds_numel = p.ds_shape.numel()  # type: ignore[attr-defined]
