@@ -43,7 +43,7 @@ def test_rank0_bar_counts_steps_and_shows_loss_lr_rate(engine):
     assert f"{float(engine._last_loss):.4f}" in postfix
     bar.close()
     assert "loss=" in out.getvalue() and "3/3" in out.getvalue()
-    assert engine._progress is None  # closed bars are dropped
+    assert engine._progress.bar is None  # closed bars are dropped
 
 
 def test_wrapping_an_iterable(engine):

@@ -17,6 +17,8 @@ import torch
 
 from .master import MonitorMaster
 from .sink import Event
+from .step_snapshot import StepSnapshot
+from .timers import Timers
 
 PREFIX = "Train/Samples/"
 TIMER_EVENTS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
@@ -94,7 +96,7 @@ class StepEvents:
         return total / ranks if ranks > 0 else None
 
     # ---- after the optimizer step --------------------------------------------------------------------
-    def after_step(self, engine: Any, timers: Any) -> None:
+    def after_step(self, done: StepSnapshot, timers: Timers) -> None:
         """Called by the engine on every rank after each optimizer step (the accumulation boundary)."""
         now = time.perf_counter()
         comm_now = self._comm_total()
@@ -106,11 +108,11 @@ class StepEvents:
         ms: Dict[str, float] = timers.take_step_ms() if self.write_timers else {}
         if not self.master.sinks:
             return
-        step = int(engine.global_samples)
+        step = int(done.samples)
 
-        ds: List[Event] = [(PREFIX + "lr", float(engine.get_lr()[0]), step)]
+        ds: List[Event] = [(PREFIX + "lr", float(done.lrs[0]), step)]
         if self.write_loss_scale:
-            ds.append((PREFIX + "loss_scale", float(engine.cur_scale), step))
+            ds.append((PREFIX + "loss_scale", float(done.loss_scale), step))
         if self.write_timers:
             allreduce = ms.get("backward_allreduce", 0.0)
             ms["backward_inner"] = max(0.0, ms.get("backward", 0.0) - allreduce)
@@ -121,7 +123,7 @@ class StepEvents:
         if loss is not None:
             ours.append((PREFIX + "train_loss", loss, step))
         if elapsed is not None and elapsed > 0:
-            samples_per_sec = engine.train_batch_size() / elapsed
+            samples_per_sec = done.batch / elapsed
             ours.append((PREFIX + "samples_per_sec", samples_per_sec, step))
             if self.tokens_per_sample:
                 ours.append((PREFIX + "tokens_per_sec", samples_per_sec * self.tokens_per_sample, step))
@@ -130,9 +132,8 @@ class StepEvents:
                 ours.append((PREFIX + "tflops", per_device / 1e12, step))
                 if self.peak_flops:
                     ours.append((PREFIX + "mfu", per_device / self.peak_flops, step))
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None:
-            ours.append((PREFIX + "grad_norm", float(grad_norm), step))
+        if done.grad_norm is not None:
+            ours.append((PREFIX + "grad_norm", float(done.grad_norm), step))
         dev = device_bytes(self.device)
         if dev is not None:
             ours.append((PREFIX + "memory_device_bytes", dev, step))

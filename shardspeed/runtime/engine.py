@@ -1,9 +1,12 @@
-"""The training engine: DeepSpeed's method names, thin orchestration over parts built once. The engine never
-reads the config: :mod:`shardspeed.runtime.builder` decides which parts to assemble (:class:`EngineParts`).
+"""One job: the training engine, DeepSpeed's method names as thin orchestration over parts built once.
+
+The engine never reads the config: :mod:`shardspeed.runtime.builder` decides which parts to assemble
+(:class:`EngineParts`). What it reports on its steps is done by parts it calls (:mod:`.reporting`,
+:mod:`.progress`, the monitors), handed a :class:`~shardspeed.monitor.step_snapshot.StepSnapshot`;
+DeepSpeed's getters and members are its mixin :class:`~.deepspeed_members.DeepSpeedMembers`.
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
@@ -18,14 +21,14 @@ from ..compat.alias import module_getattr
 from ..errors import ShardspeedError
 from ..mesh.topology import Topology
 from ..monitor.master import MonitorMaster
+from ..monitor.step_snapshot import StepSnapshot
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
 from ..zero.reducer import GradientReducer
 from .deepspeed_members import DeepSpeedMembers, missing_member
 from .parts import EngineParts, move_inputs, no_move_error
-from .reporting import StepReport, memory_breakdown
-
-logger = logging.getLogger("shardspeed")
+from .progress import ProgressSlot, make_progress
+from .reporting import step_reports
 
 
 class Engine(DeepSpeedMembers, nn.Module):
@@ -52,8 +55,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._in_no_sync = False
         self._timers = parts.timers
         self._last_loss: Optional[torch.Tensor] = None
-        self._report = StepReport(parts)
-        self._progress: Any = None  # the bar of progress(), refreshed after each optimizer step
+        self._memory, self._log, self._flops = step_reports(parts)  # the engine's reports, told of each step
+        self._progress = ProgressSlot()  # the bar of progress(), refreshed after each optimizer step
         parts.reducer.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
@@ -107,9 +110,9 @@ class Engine(DeepSpeedMembers, nn.Module):
             self._p.reducer.reduce_pending()
             if before_optimizer is not None:
                 before_optimizer(self._p.reducer)
-            self._optimizer_step()
+            done = self._optimizer_step()
         if self._p.monitor is not None:  # after the step timer stopped, as in step()
-            self._p.monitor.after_step(self, self._timers)
+            self._p.monitor.after_step(done, self._timers)
 
     @property
     def last_loss(self) -> Optional[torch.Tensor]:
@@ -118,11 +121,10 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def attach_progress(self, bar: Any) -> None:
         """``bar.on_optimizer_step()`` runs after each optimizer step (:meth:`progress` attaches its bar)."""
-        self._progress = bar
+        self._progress.attach(bar)
 
     def detach_progress(self, bar: Any) -> None:
-        if self._progress is bar:
-            self._progress = None
+        self._progress.detach(bar)
 
     def record_step_loss(self, loss: torch.Tensor) -> None:
         """A driver's mean loss of the step it takes next (:meth:`boundary_step`): what its reports show."""
@@ -296,7 +298,7 @@ class Engine(DeepSpeedMembers, nn.Module):
     # ---- the step ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.tput_timer.start()
-        with self._timers("forward"), self._report.flops_scope("forward", self.global_steps):
+        with self._timers("forward"), self._flops.scope("forward", self.global_steps):
             args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
             if self._p.input_check is not None:
                 self._p.input_check((args, kwargs))
@@ -320,7 +322,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             self._p.monitor.add_loss(loss)
         gas = self._p.gradient_accumulation_steps if scale_wrt_gas else 1
         scaled = loss * (self._p.loss_scaler.scale / gas) if self._p.loss_scaler.scale != 1.0 else loss / gas
-        with self._timers("backward"), self._report.flops_scope("backward", self.global_steps):
+        with self._timers("backward"), self._flops.scope("backward", self.global_steps):
             scaled.backward(retain_graph=retain_graph)
         return loss.detach() / gas
 
@@ -335,21 +337,21 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            profiled = self._report.flops_active(self.global_steps)
-            with self._timers("step"), self._report.flops_scope("step", self.global_steps):
+            profiled = self._flops.active(self.global_steps)
+            with self._timers("step"), self._flops.scope("step", self.global_steps):
                 self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
-                self._optimizer_step()
+                done = self._optimizer_step()
             if profiled:
-                self._report.flops_report(self)
+                self._flops.report(done, self._p.micro_batch_size)
             if self._p.monitor is not None:  # after the step timer stopped, as DeepSpeed writes them
-                self._p.monitor.after_step(self, self._timers)
+                self._p.monitor.after_step(done, self._timers)
             if self._p.profile_window is not None:  # a tuner's trial: may write its metrics and exit
                 self._p.profile_window.after_step(self.global_steps, self.flops_per_step())
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
         self._boundary_override = None
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> StepSnapshot:
         p = self._p
         self._before_update()  # a save in flight may still write the state this step changes; states offloaded?
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
@@ -360,22 +362,17 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._grad_norm = None if result.overflow else result.grad_norm
         if result.overflow:
             self.skipped_steps += 1
-            if self.global_rank == 0 and p.loss_scaler.dynamic:  # routine under fp16 loss scaling
-                logger.info("step %d: gradient overflow, step skipped; loss scale now %g", self.global_steps,
-                            p.loss_scaler.scale)
-            elif self.global_rank == 0:
-                logger.warning("step %d: the global gradient norm is %s: step skipped on every rank (%d skipped so "
-                               "far), the LR schedule holds. A NaN/inf loss or gradient on some rank, e.g. from "
-                               "bad data; set bf16.check_grad_overflow false to apply such steps anyway.",
-                               self.global_steps, result.grad_norm, self.skipped_steps)
+            self._log.skipped(self.global_steps, result.grad_norm, self.skipped_steps, p.loss_scaler)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         p.reducer.zero_grads()
         self.global_steps += 1
         self.global_samples += p.train_batch_size
-        self._report.after_step(self, p.train_batch_size)
-        if self._progress is not None:
-            self._progress.on_optimizer_step()
+        done = StepSnapshot(self.global_steps, self.global_samples, p.train_batch_size, self._last_loss,
+                            tuple(self.get_lr()), self.cur_scale, self._grad_norm)
+        self._log.after_step(done)
+        self._progress.after_step(done)
+        return done
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine also does this after every optimizer step)."""
@@ -449,7 +446,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         convention). ``measured=True``: forward + backward as counted (flash attention's score recompute and
         activation-checkpoint recomputation included, for HFU); a backward run outside :meth:`backward` is
         then estimated as (2 + recompute_fwd_factor) × forward, as DeepSpeed does."""
-        return self._report.flops_per_step(measured)
+        return self._flops.per_step(measured)
 
     def peak_flops(self) -> Optional[float]:
         """Dense peak FLOP/s of this rank's device in the training dtype (``shardspeed.profiling.PEAK_TABLE``);
@@ -482,9 +479,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         it wraps it (``for batch in engine.progress(loader): ...``) and counts its items. Off on other ranks
         and, as tqdm's ``disable=None``, when the output is not a TTY; ``disable=False`` forces it on rank 0.
         Other keyword arguments go to tqdm (``file``, ``initial``, ``mininterval``, ...)."""
-        from .progress import make_progress
-
-        return make_progress(self, iterable, total=total, desc=desc, **tqdm_kwargs)
+        return make_progress(self._progress, self.global_rank, self.global_samples, iterable, total=total, desc=desc,
+                             **tqdm_kwargs)
 
     def comms_summary(self) -> Dict[str, Dict[str, float]]:
         """Collectives issued so far on this rank: per op, count, bytes and seconds."""
@@ -493,7 +489,7 @@ class Engine(DeepSpeedMembers, nn.Module):
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes of model states this rank holds, counted from the tensors themselves: on the training device
         (summed in ``total``) and, under ``offloaded_*``, in host memory (NVMe files are not counted)."""
-        return memory_breakdown(self._p, self.device)
+        return self._memory.count()
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name: isinstance(engine, deepspeed.DeepSpeedEngine) passes
