@@ -23,7 +23,8 @@ from shardspeed.checkpoint import consolidate, load_consolidated
 from shardspeed.checkpoint.commit import read_latest, resolve
 from shardspeed.checkpoint.consolidate import main as consolidate_main, parse_size
 from shardspeed.checkpoint.format import ShardReader, write_safetensors
-from shardspeed.checkpoint.metadata import Entry, EntryIndex, plan_reads, read_range
+from shardspeed.checkpoint.metadata import Entry
+from shardspeed.checkpoint.ranges import EntryIndex, plan_reads, read_range
 from shardspeed.errors import CheckpointError
 
 K = 3  # steps before and after the save

@@ -370,7 +370,8 @@ def test_unmappable_checkpoints_fail_before_loading(results):
 
 def test_loads_at_world_four_exactly(results):
     from shardspeed.checkpoint.format import ShardReader
-    from shardspeed.checkpoint.metadata import CheckpointMetadata, EntryIndex, read_range
+    from shardspeed.checkpoint.metadata import CheckpointMetadata
+    from shardspeed.checkpoint.ranges import EntryIndex, read_range
 
     base, r = results
     paths = run_distributed(_world4, 4, base, timeout=600, collective_timeout=300.0)[0]
@@ -387,7 +388,8 @@ def test_loads_at_world_four_exactly(results):
 
 def _read_ours(path: str, names) -> Dict[str, List[torch.Tensor]]:
     from shardspeed.checkpoint.format import ShardReader
-    from shardspeed.checkpoint.metadata import CheckpointMetadata, EntryIndex, read_range
+    from shardspeed.checkpoint.metadata import CheckpointMetadata
+    from shardspeed.checkpoint.ranges import EntryIndex, read_range
 
     meta = CheckpointMetadata.read(path)
     reader, index = ShardReader(path), EntryIndex(meta.entries, meta.shapes)
@@ -400,7 +402,7 @@ def test_convert_command_both_ways(results, capsys):
     exactly; ours to DeepSpeed's ZeRO-1 layout for 4 ranks reads back (through our DeepSpeed reader) the
     same; a shardspeed checkpoint without --world/--stage is a usage error naming them."""
     from shardspeed.checkpoint.deepspeed_layout import open_deepspeed
-    from shardspeed.checkpoint.metadata import EntryIndex, read_range
+    from shardspeed.checkpoint.ranges import EntryIndex, read_range
     from shardspeed.cli import main
 
     base, r = results

@@ -23,8 +23,9 @@ from ..errors import CheckpointError
 from ..utils.safe_files import replacing
 from .commit import read_latest, resolve
 from .format import NAME_TO_DTYPE, LazyTensor, ShardReader, fsync_dir, write_bytes_atomic, write_safetensors
-from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata, EntryIndex, entries_for, read_range
+from .metadata import METADATA_FILE, WEIGHT, CheckpointMetadata
 from .metadata_checks import check_files, check_stored
+from .ranges import EntryIndex, entries_for, read_range
 
 logger = logging.getLogger("shardspeed")
 

@@ -1,4 +1,4 @@
-"""safetensors files written tensor by tensor, with a CRC-32 per tensor, and read back with checks.
+"""One job: checkpoint files, as safetensors written tensor by tensor with a CRC-32 each, and read back checked.
 
 The writer does not build the file in memory (``safetensors.torch.save_file`` does): the header is
 computed from shapes and dtypes alone, then each tensor is copied out in slices of at most

@@ -14,17 +14,9 @@ from ..errors import CheckpointError
 from .commit import check_tag, read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
 from .format import ShardReader
-from .metadata import (
-    FORMAT,
-    WEIGHT,
-    CheckpointMetadata,
-    Entry,
-    EntryIndex,
-    entries_for,
-    rank_file,
-    read_range,
-)
+from .metadata import FORMAT, WEIGHT, CheckpointMetadata, Entry, rank_file
 from .metadata_checks import check_files, check_stored
+from .ranges import EntryIndex, entries_for, read_range
 from .slices import Spec
 from .unpickle import read_common
 

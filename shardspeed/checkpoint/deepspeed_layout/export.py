@@ -24,8 +24,9 @@ from ...config.zero import zero_block
 from ...errors import CheckpointError
 from ..commit import check_tag, read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader, write_bytes_atomic
-from ..metadata import WEIGHT, CheckpointMetadata, EntryIndex, read_range
+from ..metadata import WEIGHT, CheckpointMetadata
 from ..metadata_checks import check_files, check_stored
+from ..ranges import EntryIndex, read_range
 from ..unpickle import read_common
 from .layout import save_pt, zero3_piece
 from .moe_export import ExpertPlan, Run, dense_layout, expert_plan, write_expert_files

@@ -15,7 +15,8 @@ import torch
 from ...errors import CheckpointError
 from ..commit import check_tag, commit, new_temp_dir, read_latest
 from ..format import NAME_TO_DTYPE, LazyTensor, fsync_dir, write_file_synced, write_safetensors
-from ..metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, EntryIndex, FileInfo, read_range
+from ..metadata import COMMON_FILE, METADATA_FILE, WEIGHT, CheckpointMetadata, Entry, FileInfo
+from ..ranges import EntryIndex, read_range
 from ..save_lock import SaveLock
 from .source import DeepSpeedSource
 from .universal import open_deepspeed
