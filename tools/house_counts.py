@@ -5,7 +5,10 @@
 - upward imports: a module importing one of a higher layer (:data:`LAYERS`, lowest first; a package's
   layer is its top-level folder's);
 - ``._p`` (the engine's private parts) outside shardspeed/runtime/engine.py;
-- files over 500 lines and functions over 80 lines.
+- files over 500 lines and functions over 80 lines;
+- files over 400 lines without a one-job docstring: a module that long must say, on the first line of its
+  docstring, the one job it does, marked by starting that line with :data:`ONE_JOB` (``One job: ...``);
+  a file that does two jobs is split by job instead (issue 38).
 """
 from __future__ import annotations
 
@@ -158,6 +161,22 @@ def sizes() -> tuple:
     return long_files, long_functions
 
 
+#: how the first line of a long module's docstring begins: the one job the module does follows
+ONE_JOB = "One job: "
+ONE_JOB_LINES = 400  # files longer than this need it
+
+
+def without_one_job() -> List[str]:
+    """Files over :data:`ONE_JOB_LINES` lines whose module docstring does not begin with :data:`ONE_JOB`."""
+    hits = []
+    for p in sorted(PKG.rglob("*.py")):
+        text = p.read_text()
+        n = len(text.splitlines())
+        if n > ONE_JOB_LINES and not (ast.get_docstring(ast.parse(text)) or "").startswith(ONE_JOB):
+            hits.append(f"{p.relative_to(ROOT)} {n}")
+    return hits
+
+
 def _report(title: str, items: List[str]) -> None:
     print(f"{title}: {len(items)}")
     for item in items:
@@ -172,6 +191,7 @@ def main() -> int:
     _report("._p outside runtime/engine.py", private_parts())
     _report("files over 500 lines", long_files)
     _report("functions over 80 lines", long_functions)
+    _report("files over 400 lines without a one-job docstring", without_one_job())
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The cost model: per-rank peak memory and optimizer-step time of a candidate (pure; no process group).
+"""One job: the cost model, a candidate's per-rank peak memory and optimizer-step time (pure; no process group).
 
 Every candidate is priced as a plan: :func:`candidate_plan` writes its config (:func:`~.space.apply_candidate`)
 and :func:`shardspeed.estimate.plan_for` (``shardspeed.plan.decide``) decides it; the models below read

@@ -1,4 +1,4 @@
-"""The search: probe, calibrate, predict every candidate, prune, run the best predictions, stop.
+"""One job: the tuner's search: probe, calibrate, predict every candidate, prune, run the best predictions, stop.
 
 1. A few-second probe of the link and the optimizer step (:mod:`.bandwidth`).
 2. Two calibration runs (stage 3 at the smallest micro-batch, the config most likely to fit, then at the

@@ -1,4 +1,4 @@
-"""Collectives with a log that counts every byte, and errors that name the failing operation.
+"""One job: the collectives the library issues, each logged (bytes, time) and named in its errors.
 
 Every collective the library issues goes through :class:`Collectives`. Each call is recorded in the
 :class:`CommsLogger` (op, message bytes, elements, the bytes a ring algorithm moves per rank, time from

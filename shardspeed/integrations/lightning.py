@@ -1,4 +1,4 @@
-"""``ShardspeedStrategy``: train a ``LightningModule`` with shardspeed's ZeRO engine under ``lightning.Trainer``.
+"""One job: ``ShardspeedStrategy``, a ``LightningModule`` trained by shardspeed's engine under ``lightning.Trainer``.
 
     import shardspeed.integrations.lightning  # registers strategy="shardspeed" (and _stage_1/2/3)
     from shardspeed.integrations.lightning import ShardspeedStrategy

@@ -1,4 +1,4 @@
-"""Hugging Face transformers: train a ``PreTrainedModel`` with the ``Trainer`` through a shardspeed engine.
+"""One job: a Hugging Face ``PreTrainedModel`` trained by the ``Trainer`` through a shardspeed engine.
 
     from shardspeed.integrations.transformers import ShardspeedTrainer
 

@@ -1,4 +1,4 @@
-"""Where the offloaded optimizer state lives: host memory, or files streamed through a bounded pool.
+"""One job: where the offloaded optimizer state lives: host memory, or files streamed through a bounded pool.
 
 Both stores hand out, tile by tile, a :class:`TileState` (fp32 master, exp_avg, exp_avg_sq views of the
 same length) and take it back with :meth:`release`:

@@ -1,4 +1,4 @@
-"""DeepSpeed's LR schedules (same formulas, defaults and checkpoint state) and ``build_scheduler``.
+"""One job: DeepSpeed's LR schedules (same formulas, defaults and checkpoint state), built by ``build_scheduler``.
 
 Conventions shared by all five (as in DeepSpeed): ``last_batch_iteration`` counts the ``step()`` calls
 so far, starting at -1; the constructor already writes the lr for iteration -1 into the optimizer (for
