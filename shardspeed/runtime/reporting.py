@@ -77,12 +77,12 @@ class StepLog:
     model states' bytes (``memory``: given under ``memory_breakdown``) and the collectives' table."""
 
     def __init__(self, every: Optional[int], timers: Optional[Timers], comms_logger: CommsLogger,
-                 memory: Optional[ModelStateBytes]):
+                 memory: Optional[ModelStateBytes], rank: int):
         self._every = every
         self._timers = timers
         self._comms_logger = comms_logger
         self._memory = memory
-        self._rank = torch.distributed.get_rank()
+        self._rank = rank  # global: only rank 0 writes the lines
         self._t_last_print = time.perf_counter()
         self._samples_since_print = 0
 
@@ -166,5 +166,5 @@ def step_reports(parts: EngineParts) -> Tuple[ModelStateBytes, StepLog, StepFlop
     """The engine's reporting parts, built from its parts (the engine calls them; none holds the engine)."""
     memory = ModelStateBytes(parts.master, parts.reducer, parts.topology.device)
     log = StepLog(parts.steps_per_print, parts.timers if parts.wall_clock_breakdown else None, parts.comms_logger,
-                  memory if parts.memory_breakdown else None)
+                  memory if parts.memory_breakdown else None, torch.distributed.get_rank())
     return memory, log, StepFlops(parts.flops_profiler, parts.monitor, parts.topology, parts.train_dtype)
