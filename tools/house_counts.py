@@ -5,7 +5,8 @@
 - upward imports: a module importing one of a higher layer (:data:`LAYERS`, lowest first; a package's
   layer is its top-level folder's);
 - ``._p`` (the engine's private parts) outside shardspeed/runtime/engine.py;
-- files over 500 lines and functions over 80 lines.
+- files over 500 lines and functions over 80 lines;
+- module-level assignments named ``MESH_DIMS`` beyond one (issue 38: one definition, imported everywhere else).
 """
 from __future__ import annotations
 
@@ -158,6 +159,18 @@ def sizes() -> tuple:
     return long_files, long_functions
 
 
+def mesh_dims_definitions() -> List[str]:
+    """Every module-level assignment named ``MESH_DIMS`` in shardspeed after the first (by path): the mesh's
+    dimension names have one definition, which every other module imports."""
+    hits = []
+    for p in sorted(PKG.rglob("*.py")):
+        for node in ast.parse(p.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == "MESH_DIMS" for t in targets):
+                hits.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    return hits[1:]
+
+
 def _report(title: str, items: List[str]) -> None:
     print(f"{title}: {len(items)}")
     for item in items:
@@ -172,6 +185,7 @@ def main() -> int:
     _report("._p outside runtime/engine.py", private_parts())
     _report("files over 500 lines", long_files)
     _report("functions over 80 lines", long_functions)
+    _report("MESH_DIMS definitions beyond one", mesh_dims_definitions())
     return 0
 
 

@@ -101,7 +101,7 @@ class StepReport:
         topo = p.topology
         p.flops_profiler.finish(
             report_step=engine.global_steps, rank=engine.global_rank, world_size=torch.distributed.get_world_size(),
-            dp_size=topo.dp_size, mp_size=topo.mp_size, micro_batch_size=p.micro_batch_size)
+            dp_size=topo.shard_size, mp_size=topo.pipe_model_size, micro_batch_size=p.micro_batch_size)
         per_step = engine.flops_per_step()
         if p.monitor is not None and per_step:  # the monitors can now write tflops (and mfu on a GPU)
             world = torch.distributed.get_world_size()
