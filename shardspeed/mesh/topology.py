@@ -89,8 +89,6 @@ class Topology:
     device: torch.device
     data_size: int = 1
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh, when built from a mesh
-    #: the device mesh's dimension names (:func:`mesh_dims`)
-    dims: Tuple[str, ...] = BASE_DIMS
     #: The Megatron-style object passed to ``initialize(mpu=...)``, when the groups came from one.
     user_mpu: Any = None
     data_group: Optional[dist.ProcessGroup] = None
@@ -112,6 +110,11 @@ class Topology:
     pipe_model_group: Optional[dist.ProcessGroup] = None
     pipe_model_rank: int = 0
     pipe_model_size: int = 1
+
+    @property
+    def dims(self) -> Tuple[str, ...]:
+        """The device mesh's dimension names (:func:`mesh_dims`); the base ones without a mesh."""
+        return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else BASE_DIMS
 
     @property
     def shard_size(self) -> int:
@@ -198,7 +201,7 @@ class Topology:
                                       desc="data_expert")
             shard_rank = dist.get_rank(shard_group)
         return cls(
-            shard_group=shard_group, shard_rank=shard_rank, device=device, data_size=d, mesh=mesh, dims=tuple(dims),
+            shard_group=shard_group, shard_rank=shard_rank, device=device, data_size=d, mesh=mesh,
             data_group=groups["data"], data_rank=ranks["data"],
             pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
             model_group=groups["model"], model_rank=ranks["model"], model_size=m,
