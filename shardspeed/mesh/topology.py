@@ -128,7 +128,8 @@ class Topology:
 
     @property
     def batch_group(self) -> Optional[dist.ProcessGroup]:
-        """The ranks that read different samples: the shard group, or the data dimension when sequence > 1."""
+        """The ranks that read different samples: the shard group, or the data dimension when sequence > 1
+        (with expert > 1 too, no data × expert group is built: the data dimension alone, not batch_world)."""
         return self.data_group if self.sequence_size > 1 else self.shard_group
 
     @property
