@@ -136,13 +136,13 @@ def _world4() -> dict:
     # 3. topologies that cannot train yet: pipe 2 × data 2, and pipe 2 × model 2 (a pipe × model group)
     for shape in ((2, 1), (2, 2)):
         topo = Topology.from_mesh(pipe=shape[0], model=shape[1])
-        out[f"topo{shape}"] = (topo.mesh_shape, topo.dp_rank, _group_report(lambda n, t=topo: getattr(MeshMPU(t), n)))
+        out[f"topo{shape}"] = (topo.mesh_shape, topo.shard_rank, _group_report(lambda n, t=topo: getattr(MeshMPU(t), n)))
         topologies.append(topo)
     # every group of every mesh has the world group's timeout (torch's default for a new group: 30 minutes),
     # and error messages name each group by its dimension
     out["timeouts"] = sorted({group_timeout(g).total_seconds() for t in topologies
-                              for g in (t.dp_group, t.pipe_group, t.model_group, t.mp_group)})
-    out["names"] = [describe_group(g) for g in (topo.dp_group, topo.pipe_group, topo.model_group, topo.mp_group)]
+                              for g in (t.shard_group, t.pipe_group, t.model_group, t.pipe_model_group)})
+    out["names"] = [describe_group(g) for g in (topo.shard_group, topo.pipe_group, topo.model_group, topo.pipe_model_group)]
     # 4. errors, raised alike on every rank
     errors = {}
     bad = {"stages3": _config(0, pipeline={"stages": 3}), "stages2": _config(0, pipeline={"stages": 2}),
@@ -216,7 +216,7 @@ def test_world4_mesh_mpu_and_errors():
         p, m = divmod(r, 2)  # pipe 2 × model 2
         assert res["names"] == [f"the data group (global ranks [{r}])", f"the pipe group (global ranks [{m}, {m + 2}])",
                                 f"the model group (global ranks [{2 * p}, {2 * p + 1}])",
-                                "the mp group (global ranks [0, 1, 2, 3])"], (r, res["names"])
+                                "the pipe_model group (global ranks [0, 1, 2, 3])"], (r, res["names"])
     errors = [res["errors"] for res in results]
     assert all(e == errors[0] for e in errors), "every rank raises the same error"
     e = errors[0]

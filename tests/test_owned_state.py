@@ -46,8 +46,8 @@ def test_current_topology_is_the_registrys():
     import shardspeed.utils.groups as groups
     from shardspeed.mesh.topology import TOPOLOGIES, Topology
 
-    a = Topology(dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))
-    b = Topology(dp_group=None, dp_rank=1, dp_size=2, device=torch.device("cpu"))
+    a = Topology(shard_group=None, shard_rank=0, device=torch.device("cpu"))
+    b = Topology(shard_group=None, shard_rank=1, device=torch.device("cpu"), data_size=2)
     before = TOPOLOGIES.current()
     try:
         groups.set_topology(None)

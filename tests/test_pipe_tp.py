@@ -74,7 +74,7 @@ def _train(stage: int, tied: bool, ckpt: int, **extra) -> Dict[str, object]:
     with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: (p.detach().clone(), getattr(p, "tp_slice", None)) for n, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params, "norm": float(engine.get_global_grad_norm()),
-            "dims": engine.topology.mesh_dims}
+            "dims": engine.topology.dims}
 
 
 def _run() -> Dict[str, object]:

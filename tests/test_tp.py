@@ -87,7 +87,7 @@ def _single_group():
     from shardspeed.mesh.topology import Topology
     from shardspeed.parallel.tp import TPGroup
 
-    return TPGroup(Collectives(Topology(dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))))
+    return TPGroup(Collectives(Topology(shard_group=None, shard_rank=0, device=torch.device("cpu"))))
 
 
 def test_vocab_parallel_cross_entropy_single_rank():

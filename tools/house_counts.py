@@ -9,6 +9,7 @@
 - files over 400 lines without a one-job docstring: a module that long must say, on the first line of its
   docstring, the one job it does, marked by starting that line with :data:`ONE_JOB` (``One job: ...``);
   a file that does two jobs is split by job instead (issue 38).
+- module-level assignments named ``MESH_DIMS`` beyond one (issue 38: one definition, imported everywhere else).
 """
 from __future__ import annotations
 
@@ -175,6 +176,16 @@ def without_one_job() -> List[str]:
         if n > ONE_JOB_LINES and not (ast.get_docstring(ast.parse(text)) or "").startswith(ONE_JOB):
             hits.append(f"{p.relative_to(ROOT)} {n}")
     return hits
+def mesh_dims_definitions() -> List[str]:
+    """Every module-level assignment named ``MESH_DIMS`` in shardspeed after the first (by path): the mesh's
+    dimension names have one definition, which every other module imports."""
+    hits = []
+    for p in sorted(PKG.rglob("*.py")):
+        for node in ast.parse(p.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == "MESH_DIMS" for t in targets):
+                hits.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    return hits[1:]
 
 
 def _report(title: str, items: List[str]) -> None:
@@ -192,6 +203,7 @@ def main() -> int:
     _report("files over 500 lines", long_files)
     _report("functions over 80 lines", long_functions)
     _report("files over 400 lines without a one-job docstring", without_one_job())
+    _report("MESH_DIMS definitions beyond one", mesh_dims_definitions())
     return 0
 
 

@@ -215,7 +215,7 @@ class EngineView:
         if all(id(p) in self._replicas for p in unit.params):
             return False
         if unit.comm is not None:  # an expert unit: its expert-data group's first rank (entries keyed by expert id)
-            return unit.layout.world > 1 or unit.comm.topology.dp_rank == 0
+            return unit.layout.world > 1 or unit.comm.topology.shard_rank == 0
         return unit.layout.world > 1 or self.data_rank == 0
 
     def other_params(self) -> List[Tuple[str, nn.Parameter]]:

@@ -130,17 +130,17 @@ class CheckpointParts:
     @property
     def rank(self) -> int:
         comm = self.coordination or self.collectives
-        return comm.topology.dp_rank
+        return comm.topology.shard_rank
 
     @property
     def world(self) -> int:
         comm = self.coordination or self.collectives
-        return comm.topology.dp_size
+        return comm.topology.shard_size
 
     @property
     def data_rank(self) -> int:
         """This rank's place in its data-parallel group: rank 0 of each group writes what is not sharded."""
-        return self.collectives.topology.dp_rank
+        return self.collectives.topology.shard_rank
 
 
 def as_stateful(obj: Any) -> Optional[Stateful]:

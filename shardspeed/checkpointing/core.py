@@ -58,7 +58,7 @@ class ActivationCheckpointing:
         self.reset()
         self.settings = settings
         self.comm = comm
-        self.tp_rank = comm.topology.dp_rank if comm is not None else 0
+        self.tp_rank = comm.topology.shard_rank if comm is not None else 0
         self.saved = SavedInputs(settings, comm)
         self.configured = True
         if settings.partition_activations and self.saved.comm is None:

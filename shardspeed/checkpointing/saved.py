@@ -105,7 +105,7 @@ class SavedInputs:
         self.settings = settings
         self.comm = comm if comm is not None and comm.world > 1 else None
         self.world = self.comm.world if self.comm is not None else 1
-        self.rank = self.comm.topology.dp_rank if self.comm is not None else 0
+        self.rank = self.comm.topology.shard_rank if self.comm is not None else 0
         self.partition = settings.partition_activations and self.comm is not None
         self.to_host = settings.cpu_checkpointing
         self.contiguous = (ContiguousBuffers(int(settings.number_checkpoints or 1))

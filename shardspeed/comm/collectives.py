@@ -307,8 +307,8 @@ class Collectives:
     def __init__(self, topology: Topology, logger_: Optional[CommsLogger] = None,
                  _names_group: bool = True):
         self.topology = topology
-        self.group = topology.dp_group
-        self.world = topology.dp_size
+        self.group = topology.shard_group
+        self.world = topology.shard_size
         self.log = logger_ if logger_ is not None else CommsLogger()
         self._is_gloo = self.world > 1 and dist.get_backend(self.group) == "gloo"
         #: "over the data group (global ranks [0, 2])": what the error messages name the group by
@@ -342,7 +342,7 @@ class Collectives:
         )
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
-        """Sum ``input`` over ranks; this rank receives chunk ``dp_rank`` into ``output`` (which may be that
+        """Sum ``input`` over ranks; this rank receives chunk ``shard_rank`` into ``output`` (which may be that
         chunk of ``input``). On gloo a chunk of :attr:`gloo_exchange_bytes` or more is reduced by
         point-to-point exchanges (:func:`_exchange_reduce_scatter`)."""
         if self.world == 1:
@@ -410,14 +410,14 @@ class Collectives:
         model replica), e.g. a squared gradient norm; nothing when that group has one rank. Logged; a sync
         point."""
         topo = self.topology
-        if topo.mp_size == 1:
+        if topo.pipe_model_size == 1:
             return
-        rec = self.log.start("all_reduce", tensor, topo.mp_size)
+        rec = self.log.start("all_reduce", tensor, topo.pipe_model_size)
         try:
-            dist.all_reduce(tensor, group=topo.mp_group)
+            dist.all_reduce(tensor, group=topo.pipe_model_group)
         except RuntimeError as exc:
             raise _explain(f"all_reduce({tensor.numel()} x {tensor.dtype}) over the model-parallel group (pipe × "
-                           f"model, global ranks {group_ranks(topo.mp_group)})", exc) from exc
+                           f"model, global ranks {group_ranks(topo.pipe_model_group)})", exc) from exc
         self.log.finish(rec)
 
     def barrier(self, cause: Optional[str] = None) -> None:
@@ -447,7 +447,7 @@ class Collectives:
             return obj
         box = [obj]
         src = _global_rank(self.group, src_rank)
-        nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if self.topology.dp_rank == src_rank else 0
+        nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if self.topology.shard_rank == src_rank else 0
         self._run_object("broadcast_object",
                          lambda: dist.broadcast_object_list(box, src=src, group=self.group), nbytes, cause)
         return box[0]

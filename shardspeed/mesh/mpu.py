@@ -3,13 +3,13 @@
 Semantics follow DeepSpeed's ``PipelineParallelGrid`` (``deepspeed/runtime/pipe/topology.py``), which is
 what a DeepSpeed engine's ``mpu`` is under pipeline parallelism:
 
-- data parallel: the mesh's ``data`` dimension (the ranks reading different samples; ZeRO's group too unless
-  the sequence dimension is > 1);
-- sequence parallel: the ``sequence`` dimension; sequence-data parallel: data × sequence, the group ZeRO
-  shards over (DeepSpeed's ``seq_data_parallel_group``);
+- data parallel: the topology's ``batch`` group (data × expert, the ranks reading different samples; ZeRO's
+  ``shard`` group too unless the sequence dimension is > 1);
+- sequence parallel: the ``sequence`` dimension; sequence-data parallel: the ``shard`` group (data × expert ×
+  sequence) ZeRO shards over (DeepSpeed's ``seq_data_parallel_group``);
 - pipe parallel (also ``pipeline_model_parallel``): the ``pipe`` dimension; the rank is the stage;
 - slice parallel (also ``tensor_model_parallel``): the ``model`` dimension (tensor slicing);
-- model parallel: pipe × model, i.e. every rank holding part of the same model replica. Without
+- model parallel: the ``pipe_model`` group, every rank holding part of the same model replica. Without
   pipeline stages this is the tensor-parallel group, as in ``deepspeed.utils.groups``.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class MeshMPU:
                                    f"group alone, or from a user mpu without one)")
         return group
 
-    # ---- data parallel (the data dimension: ZeRO's group unless sequence > 1) ------------------------------
+    # ---- data parallel: the batch group (ZeRO's shard group unless sequence > 1) ---------------------------
     def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.topology.batch_group
 
@@ -49,7 +49,7 @@ class MeshMPU:
         group = self.topology.batch_group
         return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
 
-    # ---- sequence parallel, and sequence × data (ZeRO's group) -------------------------------------------
+    # ---- sequence parallel, and sequence × data: the shard group (ZeRO's) ---------------------------------
     def get_sequence_parallel_group(self) -> dist.ProcessGroup:
         return self._group(self.topology.sequence_group, "sequence-parallel")
 
@@ -60,23 +60,23 @@ class MeshMPU:
         return self.topology.sequence_size
 
     def get_sequence_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.topology.dp_group
+        return self.topology.shard_group
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.topology.dp_rank
+        return self.topology.shard_rank
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.topology.dp_size
+        return self.topology.shard_size
 
-    # ---- model parallel: pipe × model ---------------------------------------------------------------
+    # ---- model parallel: the pipe_model group -------------------------------------------------------
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self._group(self.topology.mp_group, "model-parallel")
+        return self._group(self.topology.pipe_model_group, "model-parallel")
 
     def get_model_parallel_rank(self) -> int:
-        return self.topology.mp_rank
+        return self.topology.pipe_model_rank
 
     def get_model_parallel_world_size(self) -> int:
-        return self.topology.mp_size
+        return self.topology.pipe_model_size
 
     # ---- tensor (slice) parallel: the mesh's model dimension ----------------------------------------------
     def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:

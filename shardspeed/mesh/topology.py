@@ -5,16 +5,29 @@ object, :data:`TOPOLOGIES` (a :class:`TopologyRegistry`): the meshes already bui
 same mesh reuses their groups) and the current engine's topology, for DeepSpeed's module-level
 ``deepspeed.utils.groups`` functions (:mod:`shardspeed.utils.groups`).
 
-The world is a device mesh with named dimensions ``("pipe", "data", "model")`` (DeepSpeed's axis order;
-``model`` innermost, so tensor-parallel peers are neighbouring ranks): global rank
-``= pipe_rank × data × model + data_rank × model + model_rank``. ZeRO only ever sees the data group
-(``dp_group``, ``dp_rank``, ``dp_size``). With ``tensor_parallel.autotp_size`` > 1 the builder splits the
-model's layers over the ``model`` group (:mod:`shardspeed.parallel.tp`); a model with no plan stays
-replicated there.
+The world is a device mesh whose dimensions are named by :data:`MESH_DIMS`, outermost first (DeepSpeed's
+axis order; ``model`` innermost, so tensor-parallel peers are neighbouring ranks). Every mesh has pipe, data
+and model (:data:`BASE_DIMS`: global rank ``= pipe_rank × data × model + data_rank × model + model_rank``);
+expert and sequence join when larger than 1 or declared (:func:`mesh_dims`).
 
-Group names follow DeepSpeed's ``PipelineParallelGrid`` (see :mod:`shardspeed.mesh.mpu`):
-``model_*`` here is the mesh's ``model`` dimension (tensor slicing, DeepSpeed's "slice parallel");
-``mp_*`` is pipe × model, every rank holding part of one model replica (DeepSpeed's "model parallel").
+One word for each group of a `Topology`, its fields ``<word>_group``, ``<word>_rank``, ``<word>_size``:
+
+- ``pipe``, ``data``, ``expert``, ``sequence``, ``model``: one mesh dimension each. ``model`` is tensor
+  slicing (DeepSpeed's "slice parallel"): with ``tensor_parallel.autotp_size`` > 1 the builder splits the
+  model's layers over it (:mod:`shardspeed.parallel.tp`); a model with no plan stays replicated there.
+- ``shard``: data × expert × sequence, the ranks holding the same dense parameters. ZeRO shards over it and
+  averages gradients over it (DeepSpeed's "sequence data parallel"; the plan's ``MeshPlan.shard_size``).
+- ``expert_shard``: data × sequence, the ranks holding the same experts: ZeRO shards and reduces expert
+  parameters over it (DeepSpeed's "expert data parallel"; ``MeshPlan.expert_shard_size``).
+- ``batch``: data × expert, the ranks that read different samples (DeepSpeed's "data parallel",
+  ``get_data_parallel_*``): global batch = micro × accumulation × ``batch_world`` (``_world``, as in the
+  plan's ``MeshPlan.batch_world``: ``batch_size`` would read as a count of samples).
+- ``pipe_model``: pipe × model, the ranks that together hold one model replica (DeepSpeed's "model
+  parallel", ``get_model_parallel_*``; the model group when there is one stage).
+
+With expert and sequence both 1, data, shard, expert_shard and batch are one group. The composite groups'
+sizes are derived from the dimensions' (properties), except ``pipe_model_size``: a user's mpu may count only
+tensor ranks there (Megatron's meaning). Names of groups in messages: :func:`describe_group`.
 """
 from __future__ import annotations
 
@@ -22,7 +35,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +43,16 @@ import torch.distributed as dist
 from ..errors import ConfigError, DistributedError
 from .init import backend_options, group_timeout, local_device, new_group
 
-#: The mesh's dimension names, outermost first.
-MESH_DIMS = ("pipe", "data", "model")
+#: The mesh's dimension names, outermost first: the one definition (the plan imports it).
+MESH_DIMS: Tuple[str, ...] = ("pipe", "data", "expert", "sequence", "model")
+#: The dimensions every device mesh has, even at size 1.
+BASE_DIMS: Tuple[str, ...] = ("pipe", "data", "model")
+
+
+def mesh_dims(sizes: Mapping[str, int], declared: Sequence[str] = ()) -> Tuple[str, ...]:
+    """A device mesh's dimensions, in :data:`MESH_DIMS` order: the base ones, and expert and sequence when
+    ``sizes`` has them larger than 1 or they are ``declared``."""
+    return tuple(d for d in MESH_DIMS if d in BASE_DIMS or sizes.get(d, 1) > 1 or d in declared)
 
 
 def mesh_sizes(world: int, pipe: int = 1, model: int = 1, sequence: int = 1, expert: int = 1) -> Tuple[int, int, int]:
@@ -56,79 +77,81 @@ def mesh_ranks(pipe: int, data: int, model: int) -> List[List[List[int]]]:
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's groups: the data-parallel group ZeRO shards over, the device, and the rest of the mesh.
+    """This rank's groups (the module docstring names each), its device, and the mesh they came from.
 
-    ``dp_*``: ZeRO's group, the ranks holding the same parameters: the data dimension, times the sequence
-    dimension when it is > 1 (``batch_*``: the data dimension alone, the ranks that read different samples;
-    ``sequence_*``: the sequence dimension, ranks holding shards of the same samples). ``pipe_*``: the pipeline dimension (stage = pipe_rank).
-    ``model_*``: the mesh's ``model`` dimension (tensor parallel). ``mp_*``: pipe × model (DeepSpeed's
-    "model parallel": all ranks with this rank's data coordinate). A group of None means the whole world
-    for ``dp_group`` (torch's convention) and "not created" for the others (``data_parallel`` only).
+    Each group's rank field is this rank's place in it. A group of None means the whole world for
+    ``shard_group`` (torch's convention) and "not created" for the others. Frozen: built once (collective),
+    then passed to every part that needs it.
     """
 
-    dp_group: Optional[dist.ProcessGroup]
-    dp_rank: int
-    dp_size: int
+    shard_group: Optional[dist.ProcessGroup]
+    shard_rank: int
     device: torch.device
+    data_size: int = 1
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh, when built from a mesh
+    #: The Megatron-style object passed to ``initialize(mpu=...)``, when the groups came from one.
+    user_mpu: Any = None
+    data_group: Optional[dist.ProcessGroup] = None
+    data_rank: int = 0
     pipe_group: Optional[dist.ProcessGroup] = None
     pipe_rank: int = 0
     pipe_size: int = 1
     model_group: Optional[dist.ProcessGroup] = None
     model_rank: int = 0
     model_size: int = 1
-    mp_group: Optional[dist.ProcessGroup] = None
-    mp_rank: int = 0
-    mp_size: int = 1
-    #: The Megatron-style object passed to ``initialize(mpu=...)``, when the groups came from one.
-    user_mpu: Any = None
-    #: Groups of the optional mesh dimensions (size 1 until expert and sequence parallelism land), and the
-    #: device mesh's dimension names
     sequence_group: Optional[dist.ProcessGroup] = None
-    expert_group: Optional[dist.ProcessGroup] = None
-    mesh_dims: Tuple[str, ...] = MESH_DIMS
     sequence_rank: int = 0
     sequence_size: int = 1
-    #: the data dimension alone, where ZeRO's group (dp_*) is data × sequence (sequence_size > 1)
-    data_group: Optional[dist.ProcessGroup] = None
-    data_rank: int = 0
-    #: the expert dimension (``expert_group``, ranks holding different experts) and the expert-data group: the
-    #: ranks holding this rank's experts (data × sequence), over which ZeRO reduces and shards expert
-    #: parameters; ZeRO's dp_* group is then data × expert (× sequence)
+    expert_group: Optional[dist.ProcessGroup] = None
     expert_rank: int = 0
     expert_size: int = 1
-    expert_data_group: Optional[dist.ProcessGroup] = None
-    expert_data_rank: int = 0
-    expert_data_size: int = 1
+    expert_shard_group: Optional[dist.ProcessGroup] = None
+    expert_shard_rank: int = 0
+    pipe_model_group: Optional[dist.ProcessGroup] = None
+    pipe_model_rank: int = 0
+    pipe_model_size: int = 1
+
+    @property
+    def dims(self) -> Tuple[str, ...]:
+        """The device mesh's dimension names (:func:`mesh_dims`); the base ones without a mesh."""
+        return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else BASE_DIMS
+
+    @property
+    def shard_size(self) -> int:
+        """data × expert × sequence: ZeRO's ranks."""
+        return self.data_size * self.expert_size * self.sequence_size
+
+    @property
+    def expert_shard_size(self) -> int:
+        """data × sequence: the ranks holding the same experts."""
+        return self.data_size * self.sequence_size
 
     @property
     def batch_group(self) -> Optional[dist.ProcessGroup]:
-        """The ranks that read different samples (the data dimension): the batch arithmetic's group."""
-        return self.data_group if self.sequence_size > 1 else self.dp_group
+        """The ranks that read different samples: the shard group, or the data dimension when sequence > 1
+        (with expert > 1 too, no data × expert group is built: the data dimension alone, not batch_world)."""
+        return self.data_group if self.sequence_size > 1 else self.shard_group
 
     @property
     def batch_rank(self) -> int:
-        return self.data_rank if self.sequence_size > 1 else self.dp_rank
+        return self.data_rank if self.sequence_size > 1 else self.shard_rank
 
     @property
     def batch_world(self) -> int:
-        """The data-parallel degree of the batch arithmetic: ZeRO's group less the sequence dimension."""
-        return self.dp_size // self.sequence_size
+        """data × expert: the data-parallel degree of the batch arithmetic."""
+        return self.data_size * self.expert_size
 
     @classmethod
     def data_parallel(cls, group: Optional[dist.ProcessGroup] = None) -> Topology:
         """All ranks of ``group`` (default: the world) form one data-parallel group; no mesh, no other
         groups are created (for tests and tools that drive ZeRO parts directly)."""
-        return cls(
-            dp_group=group,
-            dp_rank=dist.get_rank(group),
-            dp_size=dist.get_world_size(group),
-            device=local_device(),
-        )
+        rank = dist.get_rank(group)
+        return cls(shard_group=group, shard_rank=rank, device=local_device(), data_size=dist.get_world_size(group),
+                   data_group=group, data_rank=rank, expert_shard_group=group, expert_shard_rank=rank)
 
     @classmethod
     def from_mesh(cls, pipe: int = 1, model: int = 1, registry: Optional[TopologyRegistry] = None,
-                  dims: Sequence[str] = MESH_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
+                  dims: Sequence[str] = BASE_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
         """The ``(pipe, data, model)`` device mesh of the world; data = world / (pipe × model).
 
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
@@ -140,16 +163,17 @@ class Topology:
 
     @classmethod
     def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device,
-                   dims: Sequence[str] = MESH_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
+                   dims: Sequence[str] = BASE_DIMS, sequence: int = 1, expert: int = 1) -> Topology:
         """A new Topology of the ``(pipe, data, model)`` mesh ``sizes`` (new groups; collective); what
         :meth:`TopologyRegistry.mesh` builds once per mesh. ``dims``: the device mesh's dimensions, in the
-        plan's order; the ones beyond pipe, data and model (expert, sequence) have size 1 (they leave every
-        rank's coordinates and the other groups as they are), except ``sequence`` > 1: then ZeRO's group is
-        data × sequence (one more group per pipe × model coordinate). Every group gets the world group's
-        timeout (:func:`~shardspeed.mesh.init.group_timeout`)."""
+        plan's order (:func:`mesh_dims`). ``sequence`` or ``expert`` > 1 make the shard group data × expert
+        × sequence and the expert_shard group data × sequence (one more group per coordinate of the other
+        dimensions each). Every group gets the world group's timeout
+        (:func:`~shardspeed.mesh.init.group_timeout`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        known = dict(zip(MESH_DIMS, sizes), sequence=sequence, expert=expert)
+        p, d, m = sizes
+        known = dict(pipe=p, data=d, model=m, sequence=sequence, expert=expert)
         if expert > 1 and "expert" not in dims:
             raise ConfigError(f"an expert size of {expert} needs a mesh with an expert dimension, got {dims}")
         if sequence > 1 and "sequence" not in dims:
@@ -159,34 +183,33 @@ class Topology:
                                 backend_override=_timeout_overrides(dims, shape) or None)
         groups = {name: mesh.get_group(name) for name in dims}
         ranks = {name: mesh.get_local_rank(name) for name in dims}
-        p, d, m = sizes
-        mp_group: Optional[dist.ProcessGroup]
+        pm_group: Optional[dist.ProcessGroup]
         if p == 1:
-            mp_group = groups["model"]
+            pm_group = groups["model"]
         elif m == 1:
-            mp_group = groups["pipe"]
+            pm_group = groups["pipe"]
         else:
-            mp_group = _new_groups([[r for plane in mesh_ranks(p, d, m) for r in plane[di]] for di in range(d)],
-                                   desc="mp")
-        dp_group: Optional[dist.ProcessGroup] = groups["data"]
-        dp_rank = ranks["data"]
+            pm_group = _new_groups([[r for plane in mesh_ranks(p, d, m) for r in plane[di]] for di in range(d)],
+                                   desc="pipe_model")
+        shard_group: Optional[dist.ProcessGroup] = groups["data"]
+        shard_rank = ranks["data"]
         if sequence > 1:
-            dp_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims)), desc="data_sequence")
-            dp_rank = dist.get_rank(dp_group)
-        ed_group, ed_rank = dp_group, dp_rank  # the expert-data group: data × sequence
+            shard_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims)), desc="data_sequence")
+            shard_rank = dist.get_rank(shard_group)
+        es_group, es_rank = shard_group, shard_rank  # the expert-shard group: data × sequence
         if expert > 1:
-            dp_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims), ("data", "expert", "sequence")),
-                                   desc="data_expert")
-            dp_rank = dist.get_rank(dp_group)
+            shard_group = _new_groups(_shard_rank_lists(mesh.mesh, list(dims), ("data", "expert", "sequence")),
+                                      desc="data_expert")
+            shard_rank = dist.get_rank(shard_group)
         return cls(
-            dp_group=dp_group, dp_rank=dp_rank, dp_size=d * sequence * expert, device=device, mesh=mesh,
+            shard_group=shard_group, shard_rank=shard_rank, device=device, data_size=d, mesh=mesh,
+            data_group=groups["data"], data_rank=ranks["data"],
             pipe_group=groups["pipe"], pipe_rank=ranks["pipe"], pipe_size=p,
             model_group=groups["model"], model_rank=ranks["model"], model_size=m,
-            mp_group=mp_group, mp_rank=dist.get_rank(mp_group), mp_size=p * m,
-            sequence_group=groups.get("sequence"), expert_group=groups.get("expert"), mesh_dims=tuple(dims),
-            sequence_rank=ranks.get("sequence", 0), sequence_size=sequence, data_group=groups["data"],
-            data_rank=ranks["data"], expert_rank=ranks.get("expert", 0), expert_size=expert,
-            expert_data_group=ed_group, expert_data_rank=ed_rank, expert_data_size=d * sequence,
+            sequence_group=groups.get("sequence"), sequence_rank=ranks.get("sequence", 0), sequence_size=sequence,
+            expert_group=groups.get("expert"), expert_rank=ranks.get("expert", 0), expert_size=expert,
+            expert_shard_group=es_group, expert_shard_rank=es_rank,
+            pipe_model_group=pm_group, pipe_model_rank=dist.get_rank(pm_group), pipe_model_size=p * m,
         )
 
     @classmethod
@@ -210,26 +233,31 @@ class Topology:
                   mp_size, tp_size, pp_size)
         check_user_groups(_gather_reports(report))
         return cls(
-            dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size, device=local_device(),
+            shard_group=dp_group, shard_rank=dp_rank, device=local_device(), data_size=dp_size, user_mpu=mpu,
+            data_group=dp_group, data_rank=dp_rank, expert_shard_group=dp_group, expert_shard_rank=dp_rank,
             pipe_group=pp_group, pipe_rank=pp_rank, pipe_size=pp_size,
             model_group=tp_group, model_rank=tp_rank, model_size=tp_size,
-            mp_group=mp_group, mp_rank=mp_rank, mp_size=mp_size, user_mpu=mpu,
+            pipe_model_group=mp_group, pipe_model_rank=mp_rank, pipe_model_size=mp_size,
         )
 
     @property
     def mesh_shape(self) -> Tuple[int, int, int]:
-        """``(pipe, data, model)`` sizes."""
-        return self.pipe_size, self.dp_size, self.model_size
+        """``(pipe, shard, model)`` sizes: the extents of :func:`mesh_ranks`' layout of the world (the
+        ranks between pipe and model, data × expert × sequence, counted as one)."""
+        return self.pipe_size, self.shard_size, self.model_size
 
     def dim_of(self, group: Optional[dist.ProcessGroup]) -> Optional[str]:
-        """The name of this rank's group ``group`` in this topology: a mesh dimension (``"data"``,
-        ``"pipe"``, ``"model"``, ``"sequence"``, ``"expert"``) or ``"mp"`` (pipe × model); the first in
-        that order where one group is several (a dimension of the whole world, ``mp`` of one dimension).
-        None where ``group`` is none of them. For error messages."""
-        named = (("data", self.dp_group), ("pipe", self.pipe_group), ("model", self.model_group),
-                 ("sequence", self.sequence_group), ("expert", self.expert_group), ("mp", self.mp_group))
-        for name, g in named:
-            if g is group and (g is not None or name == "data"):  # None: the world for dp_group only
+        """The word for this rank's group ``group`` in this topology (the module docstring's): ``"data"``
+        for the shard group when it is the data dimension, else ``"shard"``; then ``"pipe"``, ``"model"``,
+        ``"sequence"``, ``"expert"``, ``"pipe_model"``; the first in that order where one group is several
+        (a dimension of the whole world, pipe_model of one dimension). None where ``group`` is none of
+        them. For error messages."""
+        shard = "data" if self.expert_size == self.sequence_size == 1 else "shard"
+        named = ((shard, self.shard_group), ("pipe", self.pipe_group), ("model", self.model_group),
+                 ("sequence", self.sequence_group), ("expert", self.expert_group),
+                 ("pipe_model", self.pipe_model_group))
+        for i, (name, g) in enumerate(named):
+            if g is group and (g is not None or i == 0):  # None: the world for shard_group only
                 return name
         return None
 
@@ -259,7 +287,7 @@ class TopologyRegistry:
         self._current: Optional[Topology] = None
         self._levels: Dict[Tuple[Tuple[int, ...], int], Optional[dist.ProcessGroup]] = {}  # node_group's
 
-    def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = MESH_DIMS, sequence: int = 1,
+    def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = BASE_DIMS, sequence: int = 1,
              expert: int = 1) -> Topology:
         """The Topology of the ``(pipe, data, model)`` mesh of the world (times ``sequence``), its device mesh
         over ``dims`` (built on first use: collective)."""
@@ -284,9 +312,9 @@ class TopologyRegistry:
         Collective over the world on first use (every rank creates every block's group, in the same order,
         with the world's timeout); kept like the meshes."""
         self._forget_dead_groups()
-        key = (tuple(group_ranks(topology.dp_group)), size)
+        key = (tuple(group_ranks(topology.shard_group)), size)
         if key not in self._levels:
-            self._levels[key] = _node_group(topology.dp_group, size)
+            self._levels[key] = _node_group(topology.shard_group, size)
         return self._levels[key]
 
     def meshes(self) -> List[Topology]:
@@ -371,10 +399,10 @@ def _new_groups(rank_lists: List[List[int]], desc: Optional[str] = None) -> Opti
     return mine
 
 
-def _node_group(dp_group: Optional[dist.ProcessGroup], size: int) -> Optional[dist.ProcessGroup]:
+def _node_group(shard_group: Optional[dist.ProcessGroup], size: int) -> Optional[dist.ProcessGroup]:
     """Every ZeRO group's blocks of ``size`` consecutive ranks, created on every rank; this rank's."""
     groups: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(groups, group_ranks(dp_group))
+    dist.all_gather_object(groups, group_ranks(shard_group))
     blocks = sorted({tuple(r[i : i + size]) for r in groups for i in range(0, len(r), size)})
     return _new_groups([list(b) for b in blocks], desc="data_node")
 

@@ -41,14 +41,14 @@ def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virt
     from ..mesh.replicas import mark_replica
 
     out: List[TieGroup] = []
-    ranks = mesh_ranks(topo.pipe_size, topo.dp_size, topo.model_size)
+    ranks = mesh_ranks(topo.pipe_size, topo.shard_size, topo.model_size)
     me = dist.get_rank()
     for key, stages in sorted(module.tied_keys_by_stage().items()):
         pipes = sorted({rank_of_stage(s, topo.pipe_size, virtual_stages, schedule) for s in stages})
         if len(pipes) < 2:
             continue  # every use on one rank: one module, autograd sums the uses
         mine = None
-        for d in range(topo.dp_size):
+        for d in range(topo.shard_size):
             for m in range(topo.model_size):
                 members = [ranks[p][d][m] for p in pipes]
                 group = new_group(members, desc=f"tie_{key}")  # the world group's timeout
@@ -61,7 +61,7 @@ def build_tie_groups(module: PipelineModule, topo: Topology, schedule: str, virt
         with torch.no_grad():
             for p in params:
                 comm.broadcast(p.data, 0)
-        owner = comm.topology.dp_rank == 0
+        owner = comm.topology.shard_rank == 0
         if not owner:
             for p in params:
                 mark_replica(p)

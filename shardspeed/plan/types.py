@@ -11,9 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-#: The mesh's dimensions, outermost first. ZeRO shards over the dimensions whose ranks hold the same
-#: parameters: data, and sequence once it exists.
-MESH_DIMS: Tuple[str, ...] = ("pipe", "data", "expert", "sequence", "model")
+from ..mesh.topology import MESH_DIMS, mesh_dims
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,7 @@ class MeshPlan:
     def dims(self) -> Tuple[str, ...]:
         """The device mesh's dimensions, in order: pipe, data and model always, expert and sequence when
         larger than 1 or declared."""
-        return tuple(d for d in MESH_DIMS if d in ("pipe", "data", "model") or getattr(self, d) > 1
-                     or d in self.declared)
+        return mesh_dims(self.sizes, self.declared)
 
     @property
     def world(self) -> int:

@@ -295,8 +295,8 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
 
     if sh.partition_parameters:
         node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
-        units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
-                                            placement=_shard_placement(plan.placement, topo.dp_rank),
+        units, manager = build_stage3_units(model, sh, collectives, topo.shard_rank,
+                                            placement=_shard_placement(plan.placement, topo.shard_rank),
                                             secondary=Collectives.over(node, collectives.log) if node else None,
                                             expert_comm=experts.comm if experts else None,
                                             is_expert=experts.is_expert if experts else lambda p: False)
@@ -308,7 +308,7 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         return list(units), reducer, manager
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
     flat = build_flat_units(params, _build_units, sh.reduce_bucket, sh.unit_world,
-                            topo.dp_rank if sh.unit_world > 1 else 0, alone, experts or ExpertParts())
+                            topo.shard_rank if sh.unit_world > 1 else 0, alone, experts or ExpertParts())
     return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive,
                                  epilogue_timer=epilogue), None
 

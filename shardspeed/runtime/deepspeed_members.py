@@ -169,8 +169,8 @@ class DeepSpeedMembers:
 
     @property
     def seq_dp_world_size(self) -> int:
-        """ZeRO's group: data × sequence."""
-        return self._p.topology.dp_size
+        """The shard group (ZeRO's): data × expert × sequence."""
+        return self._p.topology.shard_size
 
     @property
     def data_parallel_group(self) -> Any:
@@ -180,7 +180,7 @@ class DeepSpeedMembers:
 
     @property
     def seq_data_parallel_group(self) -> Any:
-        group = self._p.topology.dp_group
+        group = self._p.topology.shard_group
         return group if group is not None else dist.group.WORLD
 
     def get_data_parallel_rank(self) -> int:

@@ -55,7 +55,7 @@ def prepare_experts(model: nn.Module, plan: Plan, topo: Topology, autoep: Expert
             m.set_expert_parallel(topo.expert_group, topo.expert_rank)
     if ep == 1:
         return ExpertParts()
-    return ExpertParts(Collectives.over(topo.expert_data_group, log), f"ep_size_{ep}")
+    return ExpertParts(Collectives.over(topo.expert_shard_group, log), f"ep_size_{ep}")
 
 
 def build_flat_units(params: List[nn.Parameter], build: Callable[..., List[FlatParamUnit]], bucket: int,
@@ -72,7 +72,7 @@ def build_flat_units(params: List[nn.Parameter], build: Callable[..., List[FlatP
     sharded = world > 1
     for idx in group_by_size([p.numel() for p in expert], bucket):
         unit = FlatParamUnit([expert[i] for i in idx], world=comm.world if sharded else 1,
-                             rank=comm.topology.dp_rank if sharded else 0, index=len(units))
+                             rank=comm.topology.shard_rank if sharded else 0, index=len(units))
         unit.comm = comm
         units.append(unit)
     return units

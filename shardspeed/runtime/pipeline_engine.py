@@ -250,6 +250,6 @@ class PipelineEngine(Engine):
         if self.is_last_stage() and self._losses:
             loss += torch.stack(self._losses).mean()
             self.data_collectives.all_reduce(loss)
-            loss /= self.topology.dp_size
+            loss /= self.topology.shard_size
         self._pipe.pipe_comm.broadcast(loss, self._pipe.last_stage_pipe_rank)
         return loss

@@ -146,7 +146,7 @@ class StepFlops:
         assert self._profiler is not None
         topo, world = self._topology, torch.distributed.get_world_size()
         self._profiler.finish(report_step=done.step, rank=torch.distributed.get_rank(), world_size=world,
-                              dp_size=topo.dp_size, mp_size=topo.mp_size, micro_batch_size=micro_batch_size)
+                              dp_size=topo.shard_size, mp_size=topo.pipe_model_size, micro_batch_size=micro_batch_size)
         per_step = self.per_step(measured=False)
         if self._monitor is not None and per_step:
             self._monitor.flops_per_sample = per_step * world / done.batch

@@ -198,17 +198,17 @@ def _get_expert_parallel_rank(group_name: Optional[str] = None) -> int:
 def _get_expert_data_parallel_group(group_name: Optional[str] = None) -> Optional[dist.ProcessGroup]:
     """The ranks holding the same experts (expert parameters are reduced and sharded over it)."""
     topology = _expert_topology(group_name)
-    return topology.expert_data_group if topology.expert_size > 1 else topology.dp_group
+    return topology.expert_shard_group if topology.expert_size > 1 else topology.shard_group
 
 
 def _get_expert_data_parallel_world_size(group_name: Optional[str] = None) -> int:
     topology = _expert_topology(group_name)
-    return topology.expert_data_size if topology.expert_size > 1 else topology.dp_size
+    return topology.expert_shard_size if topology.expert_size > 1 else topology.shard_size
 
 
 def _get_expert_data_parallel_rank(group_name: Optional[str] = None) -> int:
     topology = _expert_topology(group_name)
-    return topology.expert_data_rank if topology.expert_size > 1 else topology.dp_rank
+    return topology.expert_shard_rank if topology.expert_size > 1 else topology.shard_rank
 
 
 def _get_expert_parallel_group_dict() -> Dict[str, Optional[dist.ProcessGroup]]:

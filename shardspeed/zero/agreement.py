@@ -76,7 +76,7 @@ class GatherAgreements:
         other = hi if hi != a.needed else lo
         raise DistributedError(
             f"ZeRO stage 3: ranks diverged in the {a.phase}: this rank (data-parallel rank "
-            f"{self._comm.topology.dp_rank}) needs the parameters of {self._name_of(a.needed)} (unit {a.needed}) "
+            f"{self._comm.topology.shard_rank}) needs the parameters of {self._name_of(a.needed)} (unit {a.needed}) "
             f"while other ranks need unit {other} ({self._name_of(other)}). Stage 3 gathers parameters "
             f"collectively, so every rank must run the same modules in the same order; rank-dependent control "
             f"flow (a module skipped on some ranks) needs stage 0-2, or make the choice the same on every rank "

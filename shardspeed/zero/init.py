@@ -209,7 +209,7 @@ class Init:
     def _setup(self):
         init_distributed()
         topo = Topology.data_parallel(self.group)
-        self.world, self.rank, self.device = topo.dp_size, topo.dp_rank, topo.device
+        self.world, self.rank, self.device = topo.shard_size, topo.shard_rank, topo.device
         self.collectives = Collectives(topo)  # the shard gathers of the units built from these parameters
 
     def _shard_module(self, module: nn.Module) -> None:

@@ -246,7 +246,7 @@ class ParamManager:
         if index in self.persistent or index in self._keep:
             return
         if self._secondary is not None and self.units[index].comm is None:  # hpZ: dense units only
-            self.units[index].keep_secondary(self._secondary.topology.dp_rank, self._secondary.world)
+            self.units[index].keep_secondary(self._secondary.topology.shard_rank, self._secondary.world)
         self.units[index].release()
 
     def set_reshard_after_forward(self, reshard: bool, modules: Optional[Sequence[nn.Module]] = None) -> None:

@@ -105,7 +105,7 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
             by_kind.setdefault((p.dtype, p.requires_grad, expert_comm is not None and is_expert(p)), []).append(p)
         for (_, _, expert), plist in by_kind.items():
             comm = expert_comm if expert and expert_comm is not None else collectives
-            units.append(ShardedParamUnit(plist, world=comm.world, rank=comm.topology.dp_rank, index=len(units),
+            units.append(ShardedParamUnit(plist, world=comm.world, rank=comm.topology.shard_rank, index=len(units),
                                           group=comm.group, placement=placement()))
             if expert:
                 units[-1].comm = comm

@@ -34,7 +34,7 @@ class TPGroup:
     def __init__(self, comm: Collectives):
         self.comm = comm
         self.size = comm.world
-        self.rank = comm.topology.dp_rank
+        self.rank = comm.topology.shard_rank
 
     @classmethod
     def of(cls, topology: Topology, log: CommsLogger | None = None) -> TPGroup:

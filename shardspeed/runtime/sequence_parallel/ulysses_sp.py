@@ -30,7 +30,7 @@ import torch.nn as nn
 from ...errors import ConfigError
 from ...mesh.init import init_distributed
 from ...mesh.mpu import MeshMPU
-from ...mesh.topology import TOPOLOGIES
+from ...mesh.topology import TOPOLOGIES, mesh_dims
 from ...parallel.sp import (
     SequenceTiledCompute,
     TiledFusedLogitsLoss,
@@ -43,7 +43,6 @@ from ...parallel.sp import (
     take_shard,
     ulysses_attention,
 )
-from ...plan.types import MESH_DIMS
 
 logger = logging.getLogger("shardspeed")
 
@@ -57,8 +56,7 @@ def sequence_parallel_mpu(sequence_parallel_size: int) -> MeshMPU:
     """The mesh of the world with a sequence dimension of ``sequence_parallel_size`` (data = world / P), as
     an mpu for ``initialize(mpu=...)``; the same groups ``initialize`` builds from the config key (collective)."""
     init_distributed()
-    dims = tuple(d for d in MESH_DIMS if d in ("pipe", "data", "sequence", "model"))
-    return MeshMPU(TOPOLOGIES.mesh(1, 1, dims, int(sequence_parallel_size)))
+    return MeshMPU(TOPOLOGIES.mesh(1, 1, mesh_dims({}, ("sequence",)), int(sequence_parallel_size)))
 
 
 class UlyssesSPAttentionHF(nn.Module):
