@@ -38,7 +38,7 @@ def memory_breakdown(parts: EngineParts, device: torch.device) -> Dict[str, int]
     master = parts.master.held_bytes()
     out = {
         "parameters": params,
-        "gradients": parts.reducer.held_bytes(),
+        "gradients": parts.zero.held_bytes(),
         "master_weights": master["master"],
         "optimizer_states": master["optimizer"],
     }
