@@ -35,9 +35,9 @@ from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
+from ..zero.owned_unit import ReduceOp, ReducePolicy
 from ..zero.parameter_offload import attach_parameter_offload
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
-from ..zero.owned_unit import ReduceOp, ReducePolicy
 from ..zero.root import ZeroRoot
 from ..zero.stage3_units import build_stage3_units
 from ..zero.unit import FlatParamUnit

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .owned_unit import OwnedUnit
     from .root import ZeroRoot
 
-ROOTS: "weakref.WeakSet[ZeroRoot]" = weakref.WeakSet()
+ROOTS: weakref.WeakSet[ZeroRoot] = weakref.WeakSet()
 
 
 def unit_of(p: torch.Tensor) -> Optional[Tuple[OwnedUnit, ZeroRoot]]:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..comm.collectives import Collectives, CommHandle
+from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..comm.quantized import QuantizedGather
 from ..errors import ShardspeedError
@@ -39,7 +39,8 @@ from .gather_order import BACKWARD, FORWARD, GatherOrder
 from .hooks import Undo, flatten_tensors, holders, register_post_backward, watch_parameter_reads, within
 from .init import warn_sharded_state_dict
 from .live_roots import ROOTS
-from .owned_unit import OwnedUnit, ReduceOp, ReducePolicy, ShardedState, TrainingState
+from .owned_unit import OwnedUnit, ReducePolicy, ShardedState, TrainingState
+from .reductions import ReductionQueue
 from .unit import FlatParamUnit
 
 
@@ -54,20 +55,6 @@ class GatherPolicy:
     quantize_frozen_only: bool = False  # qwZ on the units without trainable parameters only
 
 
-@dataclass
-class SmallUnitGroup:
-    """Small units reduced in one collective: rank r's row of ``wire`` holds chunk r of each member."""
-
-    members: List[OwnedUnit]
-    offsets: List[int]
-    sizes: List[int]
-    wire: torch.Tensor
-    handle: CommHandle
-
-
-Reduction = Union[OwnedUnit, SmallUnitGroup]
-
-
 class ZeroRoot:
     """A model's units, their hooks, gather order, bucket pool and reductions in flight."""
 
@@ -79,27 +66,17 @@ class ZeroRoot:
         self.comm = collectives
         self.policy = policy
         self.world = collectives.world
-        self.divisor = float(self.world) / policy.summed_ranks  # the reduced sum is divided by this
         self.sharded = module is not None  # stage 3
-        self.owned = [self._own(u, gather, secondary if secondary is not None and secondary.world > 1 else None)
-                      for u in units]
+        quantized = QuantizedGather(collectives, gather.weight_codec) \
+            if gather is not None and gather.weight_codec is not None else None  # qwZ
+        self.owned = [self._own(u, gather, quantized, secondary if secondary is not None and secondary.world > 1
+                                else None) for u in units]
         self._where: Dict[int, Tuple[OwnedUnit, int]] = {
             id(p): (o, pi) for o in self.owned for pi, p in enumerate(o.unit.params)}
-        # ---- reductions -----------------------------------------------------------------------------
-        self._order: List[int] = [o.index for o in self.owned if o.unit.grad_params]  # launch order
-        self._order_learned = False
-        self._completion: List[int] = []
-        self._next_launch = 0
-        self._in_flight: List[Reduction] = []
-        self.coalesce_numel = int(coalesce_numel) if policy.every_micro_step else 0
-        self._small: List[OwnedUnit] = []  # launched (in order), waiting for their group to fill
-        self._pool: Dict[int, List[torch.Tensor]] = {}  # spare stage 2-3 buckets by size
-        self.max_buckets = max_buckets  # full-size buckets alive at once (None: no bound)
-        self.max_alive_numel = int(max_alive_numel)  # elements of full-size buckets alive (0: no bound)
+        self.reductions = ReductionQueue(self.owned, collectives, policy, max_buckets=max_buckets,
+                                         coalesce_numel=coalesce_numel, max_alive_numel=max_alive_numel)
         self._sync_policy: Callable[[], bool] = lambda: True
         self.epilogue_timer = epilogue_timer  # the engine times the end-of-backward wait as backward_allreduce
-        self.launch_log: List[Tuple[int, int]] = []  # (unit index, gradient hooks still to come in backward)
-        self._pending_hooks = 0
         self._reduce_now = True
         self._in_backward = False
         self._grads_in_backward = False  # a gradient hook ran in the running backward
@@ -123,15 +100,25 @@ class ZeroRoot:
             self.install_hooks()
             ROOTS.add(self)  # GatheredParameters finds a parameter's unit by asking the live roots
 
-    def _own(self, unit: FlatParamUnit, gather: Optional[GatherPolicy], secondary: Optional[Collectives]) -> OwnedUnit:
+    def _own(self, unit: FlatParamUnit, gather: Optional[GatherPolicy], quantized: Optional[QuantizedGather],
+             secondary: Optional[Collectives]) -> OwnedUnit:
         comm = unit.comm if unit.comm is not None else self.comm  # an expert unit: its expert-data group, exact
         gather_comm: Optional[Collectives] = comm
-        if gather is not None and gather.weight_codec is not None and unit.comm is None \
-                and not (gather.quantize_frozen_only and unit.grad_params):
-            gather_comm = QuantizedGather(self.comm, gather.weight_codec)  # type: ignore[assignment]
+        if quantized is not None and unit.comm is None and not (gather and gather.quantize_frozen_only
+                                                                 and unit.grad_params):
+            gather_comm = quantized  # type: ignore[assignment]
         persistent = gather is not None and unit.numel < gather.persistence_numel
         return OwnedUnit(unit, comm, gather_comm=gather_comm, secondary=secondary if unit.comm is None else None,
                          persistent=persistent)
+
+    @property
+    def launch_log(self) -> List[Tuple[int, int]]:
+        """(unit index, gradient hooks still to come) of each launch in the last backward."""
+        return self.reductions.launch_log
+
+    @property
+    def coalesce_numel(self) -> int:
+        return self.reductions.coalesce_numel
 
     @property
     def units(self) -> List[FlatParamUnit]:
@@ -398,13 +385,8 @@ class ZeroRoot:
             return
         self._in_backward = True
         self._grads_in_backward = False
-        if self.sharded and not self._order_learned:  # the same guess on every rank
-            self._order = [i for i in self.order.backward_guess(len(self.owned)) if self.owned[i].unit.grad_params]
         self._reduce_now = self.policy.every_micro_step or bool(self._sync_policy())
-        self._next_launch = 0
-        self._pending_hooks = sum(len(o.unit.grad_params) for o in self.owned)
-        self.launch_log.clear()
-        self._completion.clear()
+        self.reductions.begin(self.order.backward_guess(len(self.owned)) if self.sharded else None)
         for o in self.owned:
             o.start_backward()
         if self.sharded:
@@ -419,20 +401,15 @@ class ZeroRoot:
             return
         o, pi = self._where[id(param)]
         self._absorb(o, pi, param)
-        self._pending_hooks -= 1
         if o.arrived(pi, self.sharded):
             o.release()
-        if not o.launched and o.complete:
-            self._completion.append(o.index)
-            if self._reduce_now:
-                self._launch_ready_prefix()
+        self.reductions.arrived(o, self._reduce_now)
 
     def _absorb(self, o: OwnedUnit, pi: int, param: torch.Tensor) -> None:
         """Add ``param.grad`` into its unit's bucket and drop it."""
         started = o.bucket is None
         if started:
-            self._make_room(o.unit.layout.padded_numel)
-            self._fill_bucket(o)
+            self.reductions.fill(o)
         assert param.grad is not None
         o.absorb(pi, param.grad, o.bucket)  # type: ignore[arg-type]
         param.grad = None
@@ -442,18 +419,6 @@ class ZeroRoot:
             if plan:
                 with _disable_current_modes():
                     self._start_gathers(plan, o.index)
-
-    def _fill_bucket(self, o: OwnedUnit) -> None:
-        """Give ``o`` a bucket. Stages 2-3 take a fresh one uninitialised (``o.written`` says which parameters'
-        views hold gradients); stages 0-1 keep one zeroed buffer that sums every micro-step."""
-        n = o.unit.layout.padded_numel
-        free = self._pool.get(n)
-        fresh = self.policy.every_micro_step
-        if free:
-            o.bucket = free.pop() if fresh else free.pop().zero_()
-        else:
-            o.bucket = (torch.empty if fresh else torch.zeros)(n, dtype=self.policy.accum_dtype, device=o.unit.device)
-        o.written = set() if fresh else None
 
     def _end_backward(self) -> None:
         """End of a backward (autograd's final callback): release what stage 3 still holds (except units kept
@@ -475,147 +440,7 @@ class ZeroRoot:
             o.learn_expected()
         if self._reduce_now:
             with self.epilogue_timer():
-                self._launch_all_and_wait()
-            if not self._order_learned:
-                self._learn_order()
-
-    # ---- reductions -------------------------------------------------------------------------------------
-    def _launch_ready_prefix(self) -> None:
-        """Launch units in the fixed order while the next one is complete (same order on every rank)."""
-        while self._next_launch < len(self._order):
-            o = self.owned[self._order[self._next_launch]]
-            if not o.complete:
-                return
-            self._launch(o)
-            self._next_launch += 1
-
-    def _launch(self, o: OwnedUnit) -> None:
-        if o.launched:
-            return
-        if o.bucket is None:
-            self._fill_bucket(o)
-        self.launch_log.append((o.index, self._pending_hooks))
-        o.take_bucket()
-        n = o.unit.layout.padded_numel
-        if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and o.unit.comm is None:
-            self._small.append(o)
-            if sum(s.unit.layout.padded_numel for s in self._small) >= self.coalesce_numel:
-                self._flush_small()
-            return  # a larger unit may go first: every rank makes the same choices, so the sequence agrees
-        o.launch(self.policy, o.comm)
-        self._in_flight.append(o)
-        self._bound_in_flight()
-
-    def _flush_small(self) -> None:
-        """Reduce the pending small units in one reduce-scatter (their buckets are copied and released)."""
-        if not self._small:
-            return
-        group, self._small = self._small, []
-        world, rank = self.world, group[0].unit.rank
-        sizes = [o.unit.layout.padded_numel // world for o in group]
-        dtype = group[0].sending.dtype if self.policy.grad_codec else self.policy.comm_dtype  # type: ignore[union-attr]
-        wire = torch.empty(world, sum(sizes), dtype=dtype, device=group[0].unit.device)
-        offsets, off = [], 0
-        for o, c in zip(group, sizes):
-            assert o.sending is not None
-            wire[:, off : off + c].copy_(o.sending.view(world, c))
-            self._recycle(o.sending)
-            o.sending = None
-            offsets.append(off)
-            off += c
-        if self.policy.predivide_factor != 1.0:
-            wire.div_(self.policy.predivide_factor)
-        handle = self.policy.reduce_scatter(self.comm, wire[rank], wire.view(-1))
-        self._in_flight.append(SmallUnitGroup(group, offsets, sizes, wire, handle))
-        self._bound_in_flight()
-
-    def _bound_in_flight(self) -> None:
-        self._reap()  # block only past the bound
-        while self.max_buckets is not None and len(self._in_flight) > self.max_buckets:
-            self._complete(self._in_flight.pop(0))
-
-    def _recycle(self, t: torch.Tensor) -> None:
-        """Keep a freed bucket for the next unit of its size (transformer blocks all match), within
-        ``max_buckets`` buckets, or ``max_alive_numel`` elements (stage 3), alive."""
-        if self.max_alive_numel:
-            keep = self._alive_numel() + t.numel() <= self.max_alive_numel
-        else:
-            keep = len(self._in_flight) + sum(len(v) for v in self._pool.values()) < (self.max_buckets or 0)
-        if keep:
-            self._pool.setdefault(t.numel(), []).append(t)
-
-    def _alive_numel(self) -> int:
-        """Elements of the full-size buckets alive besides those being filled: in flight, and spare."""
-        flying = sum(x.wire.numel() if isinstance(x, SmallUnitGroup) else x.unit.layout.padded_numel
-                     for x in self._in_flight)
-        return flying + sum(n * len(v) for n, v in self._pool.items())
-
-    def _make_room(self, numel: int) -> None:
-        """Before a new full-size bucket of ``numel`` elements is filled: finish the reductions done and, at
-        the bound, wait for the oldest in flight (stage 3: one largest unit alive; a block's reduction then
-        overlaps the next block's backward up to its first gradient, and its bucket is reused)."""
-        self._reap()
-        while self._in_flight and self._over_bound(numel):
-            self._complete(self._in_flight.pop(0))
-        if self.max_alive_numel and self._over_bound(numel):  # spares of other sizes hold the excess: free them
-            for n in [n for n in self._pool if n != numel]:
-                del self._pool[n]
-
-    def _over_bound(self, numel: int) -> bool:
-        if self.max_buckets is not None and len(self._in_flight) >= self.max_buckets:
-            return True
-        if not self.max_alive_numel:
-            return False
-        reused = numel if self._pool.get(numel) else 0
-        return self._alive_numel() - reused + numel > self.max_alive_numel
-
-    def _reap(self) -> None:
-        """Stages 2-3: finish the reductions already done, without blocking (their buckets go to the pool)."""
-        while self._in_flight and self.policy.every_micro_step and _done(self._in_flight[0]):
-            self._complete(self._in_flight.pop(0))
-
-    def _complete(self, x: Reduction) -> None:
-        """Wait for one reduction and average it into where the optimizer reads it."""
-        if isinstance(x, OwnedUnit):
-            freed = x.finish_reduce(self.policy, self.divisor)
-            if freed is not None:
-                self._recycle(freed)
-            return
-        x.handle.wait()
-        row = x.wire[x.members[0].unit.rank]
-        scale = self.policy.predivide_factor / self.divisor
-        for o, off, c in zip(x.members, x.offsets, x.sizes):
-            o.add_reduced(row[off : off + c], scale, self.policy.accum_dtype)
-
-    def _launch_all_and_wait(self) -> None:
-        """Launch, in the fixed order, every unit not sent yet, then every unit that received gradients after
-        it was sent (the same units on every rank: they ran the same graph), and wait for all of them."""
-        for ui in self._order[self._next_launch :]:
-            self._launch(self.owned[ui])
-        self._next_launch = len(self._order)
-        self._flush_small()
-        self._wait_in_flight()
-        for o in [self.owned[ui] for ui in self._order if self.owned[ui].dirty]:
-            o.launched = False
-            self._launch(o)
-        self._flush_small()
-        self._wait_in_flight()
-        self._pool.clear()  # spare buckets serve one backward; nothing full-size is kept between steps
-
-    def _wait_in_flight(self) -> None:
-        while self._in_flight:
-            self._complete(self._in_flight.pop(0))
-
-    def _learn_order(self) -> None:
-        """Adopt the order in which units completed in the first backward, as rank 0 saw it (early units go
-        while backward still runs; every rank issues the same collectives in the same sequence)."""
-        self._order_learned = True
-        seen = list(dict.fromkeys(self._completion))
-        order = seen + [i for i in self._order if i not in seen]
-        t = torch.tensor(order, dtype=torch.int64, device=self.owned[0].unit.device if self.owned else "cpu")
-        if self.world > 1 and t.numel():
-            self.comm.broadcast(t, 0)
-        self._order = [int(i) for i in t.tolist()]
+                self.reductions.finish_backward()
 
     def reduce_pending(self) -> None:
         """Before the optimizer step: take in ``.grad`` that no hook saw (assigned by hand), reduce every unit
@@ -630,10 +455,7 @@ class ZeroRoot:
                 "step. Call engine.backward(loss) (or loss.backward()) before engine.step()."
             )
         if any(o.dirty for o in self.owned):  # every rank of the group holds unreduced gradients here
-            self._next_launch = 0
-            for o in self.owned:
-                o.launched = False
-            self._launch_all_and_wait()
+            self.reductions.launch_all_and_wait(again=True)
 
     # ---- what the optimizer reads -------------------------------------------------------------------------
     def grad_shard(self, unit_index: int) -> Optional[torch.Tensor]:
@@ -649,18 +471,10 @@ class ZeroRoot:
 
     def held_tensors(self) -> List[torch.Tensor]:
         """The gradient storage held now: spare buckets, coalesced groups in flight, buckets and results."""
-        out = [t for free in self._pool.values() for t in free]
-        out += [x.wire for x in self._in_flight if isinstance(x, SmallUnitGroup)]
-        return out + [t for o in self.owned for t in o.grad_tensors()]
+        return self.reductions.held_tensors() + [t for o in self.owned for t in o.grad_tensors()]
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.held_tensors())
-
-
-def _done(x: Reduction) -> bool:
-    """Whether an in-flight reduction has finished (without waiting)."""
-    assert x.handle is not None
-    return x.handle.is_completed()
 
 
 def _recomputing() -> bool:

@@ -10,8 +10,8 @@ import torch.nn as nn
 from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..utils.z3_leaf_module import z3_leaf_module
-from .placement import DevicePlacement, ShardPlacement
 from .owned_unit import ReducePolicy
+from .placement import DevicePlacement, ShardPlacement
 from .root import GatherPolicy, ZeroRoot
 from .tags import init_shard_of
 from .unit import ShardedParamUnit
