@@ -1,5 +1,5 @@
-"""The root of a model's ZeRO units: :class:`ZeroRoot` drives every :class:`~.owned_unit.OwnedUnit` from
-torch's hooks, and owns what the units share.
+"""One job: the root of a model's ZeRO units (:class:`ZeroRoot`), which drives every
+:class:`~.owned_unit.OwnedUnit` from torch's hooks and owns what the units share.
 
 - A parameter's unit is found through a map the root owns (``id(param)`` to its unit), never through an
   attribute on the tensor.
