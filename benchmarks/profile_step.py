@@ -47,17 +47,17 @@ def _label(obj, name: str, label: str) -> None:
 
 
 def _instrument_shardspeed() -> None:
-    from shardspeed.zero import reducer, stage3, unit
+    from shardspeed.zero import reductions, root, unit
 
     _label(unit.ShardedParamUnit, "start_gather", "ss::gather_launch")
     _label(unit.ShardedParamUnit, "finish_gather", "ss::gather_wait")
     _label(unit.ShardedParamUnit, "release", "ss::release")
-    _label(reducer.GradientReducer, "_on_grad", "ss::grad_hook")
-    _label(reducer.GradientReducer, "_launch", "ss::reduce_launch")
-    _label(reducer.GradientReducer, "_complete", "ss::reduce_wait")
-    _label(reducer.GradientReducer, "finish_backward", "ss::finish_backward")
-    _label(stage3.ParamManager, "_pre_backward", "ss::pre_backward_hook")
-    pm = stage3.ParamManager
+    _label(root.ZeroRoot, "_on_grad", "ss::grad_hook")
+    _label(reductions.ReductionQueue, "_launch", "ss::reduce_launch")
+    _label(reductions.ReductionQueue, "_complete", "ss::reduce_wait")
+    _label(root.ZeroRoot, "_end_backward", "ss::finish_backward")
+    _label(root.ZeroRoot, "gather_for_backward", "ss::pre_backward_hook")
+    pm = root.ZeroRoot
     orig_pre, orig_post = pm._make_pre_forward, pm._make_post_forward
 
     def make_pre(self, idx):

@@ -199,7 +199,7 @@ def shardspeed_has_offload() -> bool:
 
 
 def shardspeed_has_stage3() -> bool:
-    return importlib.util.find_spec("shardspeed.zero.stage3") is not None
+    return importlib.util.find_spec("shardspeed.zero.root") is not None
 
 
 class ShardspeedSystem(System):

@@ -1,4 +1,4 @@
-"""MasterWeights alone (no engine): units + a GradientReducer fed by plain backwards, on 1 and 2 ranks.
+"""MasterWeights alone (no engine): units + a ZeroRoot fed by plain backwards, on 1 and 2 ranks.
 
 Each rank feeds its own known data; the reference is an unsharded copy of the model in the same process
 whose gradient is the rank-average (the mean of every rank's loss), stepped by the plain torch optimizer.
@@ -54,7 +54,8 @@ def _run():
     from shardspeed.comm.collectives import Collectives, CommsLogger
     from shardspeed.mesh.topology import Topology
     from shardspeed.zero.master import MasterWeights
-    from shardspeed.zero.reducer import GradientReducer, ReducePolicy
+    from shardspeed.zero.owned_unit import ReducePolicy
+    from shardspeed.zero.root import ZeroRoot
     from shardspeed.zero.unit import FlatParamUnit
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,7 +70,7 @@ def _run():
         ref = copy.deepcopy(model).float()
         units = [FlatParamUnit(ps, world=world, rank=rank, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(2, overlap=False, accum_dtype=torch.float32, comm_dtype=torch.float32)
-        reducer = GradientReducer(units, comm, policy, max_buckets=3)
+        reducer = ZeroRoot(units, comm, policy, max_buckets=3)
         group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
         master = MasterWeights(units, reducer, comm, group_of, make_opt, sharded=True, gather_after_step=True,
                                check_overflow=check_overflow)
@@ -102,7 +103,7 @@ def _run():
         a["norm"].append(res.grad_norm)
         a["overflow"].append(res.overflow)
     a["aliases"] = [m.data_ptr() == u.shard.data_ptr() for m, u in zip(master.masters, units)]
-    reducer.remove_hooks()
+    reducer.close()
 
     # ---- clipping (SGD), with a loss scale ------------------------------------------------------------
     c = out["clip"] = {}
@@ -110,7 +111,7 @@ def _run():
         model, ref, units, reducer, master = build(lambda groups: torch.optim.SGD(groups, lr=LR))
         (_loss(model, *_data(rank, 3)) * 8.0).backward()
         res = master.step(loss_scale=8.0, clip=clip)
-        reducer.remove_hooks()
+        reducer.close()
         ref_grads(ref, 3)
         norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
         torch.optim.SGD(ref.parameters(), lr=LR).step()
@@ -132,7 +133,7 @@ def _run():
         "master_same": all(torch.equal(a_, b_) for a_, b_ in zip(before_master, master.masters)),
         "opt_state_empty": len(master.optimizer.state) == 0,
     }
-    reducer.remove_hooks()
+    reducer.close()
 
     # ---- frozen parameters -------------------------------------------------------------------------
     model, ref, units, reducer, master = build(lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=0.1),
@@ -149,7 +150,7 @@ def _run():
         "trained_exp": {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad},
         "master_none": [m is None for m in master.masters],
     }
-    reducer.remove_hooks()
+    reducer.close()
 
     # ---- bf16 units, fp32 masters ------------------------------------------------------------------
     model, ref, units, reducer, master = build(lambda groups: torch.optim.SGD(groups, lr=LR), dtype=torch.bfloat16)
@@ -165,7 +166,7 @@ def _run():
         "shard": [u.shard.clone() for u in units],
         "layout": [(u.layout.padded_numel, *u.layout.chunk_range(rank)) for u in units],
     }
-    reducer.remove_hooks()
+    reducer.close()
     return out
 
 

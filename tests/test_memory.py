@@ -67,13 +67,13 @@ def _measure() -> list:
             engine, *_ = shardspeed.initialize(model=model, config=cfg)
             reducer = engine.reducer
             peak = {"bytes": 0}
-            launch = reducer._launch
+            launch = reducer.reductions._launch
 
             def watched(g, _launch=launch, _peak=peak, _r=reducer):
                 _peak["bytes"] = max(_peak["bytes"], _r.held_bytes())
                 return _launch(g)
 
-            reducer._launch = watched
+            reducer.reductions._launch = watched
             x, y = torch.randn(4, 64), torch.randn(4, 64)
             for _ in range(2):
                 engine.backward(engine(x, y))

@@ -13,7 +13,7 @@ from tp_models import lm_loss, make_tp_model, tp_batches, tp_config, tp_referenc
 from shardspeed.errors import ShardspeedError
 
 #: the two engines of one process at world 4: pure data parallelism (data 4), and data 2 × model 2
-#: (tensor_parallel.autotp_size 2); both ZeRO stage 3, so two ParamManagers tag parameters side by side
+#: (tensor_parallel.autotp_size 2); both ZeRO stage 3, so two roots hold units side by side
 ENGINES = {"dp": 1, "tp": 2}
 
 
@@ -22,21 +22,18 @@ def test_tags_set_read_clear():
     from shardspeed.zero import tags
 
     p = torch.nn.Parameter(torch.zeros(3))
-    assert tags.init_shard_of(p) is None and tags.unit_of(p) is None and not tags.is_sharded(p)
+    assert tags.init_shard_of(p) is None and not tags.in_stage3_unit(p) and not tags.is_sharded(p)
     from types import SimpleNamespace
-    info, unit, manager = SimpleNamespace(shape=(3,)), SimpleNamespace(shapes=[None, None, (3,)]), object()
+    info = SimpleNamespace(shape=(3,))
     tags.tag_init_shard(p, info)  # type: ignore[arg-type]
     assert tags.init_shard_of(p) is info and p._shardspeed_init is info and tags.is_sharded(p)  # the name stays
     assert (p.ds_shape, p.ds_numel, p.ds_status) == (torch.Size([3]), 3, tags.ZeroParamStatus.NOT_AVAILABLE)
     tags.clear_init_shard(p)
     tags.clear_init_shard(p)  # nothing left: a no-op
     assert not hasattr(p, "_shardspeed_init") and not tags.is_sharded(p)
-    tags.tag_unit(p, unit, 2, manager)  # type: ignore[arg-type]
-    tag = tags.unit_of(p)
-    assert tag == (unit, 2, manager) and p._shardspeed_unit == (unit, 2, manager)  # still a 3-tuple
-    assert (tag.unit, tag.param_index, tag.manager) == (unit, 2, manager)
-    tags.clear_unit(p)
-    assert tags.unit_of(p) is None and not hasattr(p, "_shardspeed_unit")
+    tags.mark_stage3([p], tags.ZeroParamStatus.NOT_AVAILABLE)  # a unit took it: DeepSpeed's attributes only
+    assert tags.in_stage3_unit(p) and tags.is_sharded(p) and p.ds_active_sub_modules == set()
+    assert not any(k.startswith("_shardspeed") for k in vars(p))  # nothing on the tensor points at its unit
     from shardspeed.zero.init import init_shard_of
 
     assert init_shard_of is tags.init_shard_of  # zero.init's name for it is the same function
@@ -107,7 +104,7 @@ def _alone(name: str):
 def _together():
     import shardspeed.utils.groups as groups
     from shardspeed.mesh.topology import Topology, TopologyRegistry
-    from shardspeed.zero.tags import unit_of
+    from shardspeed.zero.live_roots import unit_of
 
     engines = {name: _build(name) for name in ENGINES}  # both built before either trains
     losses: dict = {name: [] for name in engines}
@@ -118,7 +115,7 @@ def _together():
     out = {"losses": losses, "shapes": {n: e.mpu.topology.mesh_shape for n, e in engines.items()},
            "dp_sizes": {n: e.dp_world_size for n, e in engines.items()}}
     # each engine's parameters are tagged with its own manager
-    out["own_manager"] = all(unit_of(p).manager is e.param_manager
+    out["own_manager"] = all(unit_of(p)[1] is e.param_manager
                              for e in engines.values() for p in e.module.parameters())
     # DeepSpeed's module-level groups answer for the latest engine, or the one selected
     out["groups_latest"] = groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_world_size()

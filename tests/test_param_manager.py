@@ -1,5 +1,5 @@
-"""ParamManager alone (no engine): stage-3 units from ``build_stage3_units`` over a model of 4 blocks + a head
-+ a root parameter, with a GradientReducer hooked to the units as the builder does, on 1 and 2 ranks.
+"""A stage-3 ZeroRoot alone (no engine): units from ``build_stage3_units`` over a model of 4 blocks + a head
++ a root parameter, hooked as the builder does, on 1 and 2 ranks.
 
 Units: blocks 0-3 (72 elements each), the head (36), the root's own ``scale`` (4); prefetch bucket 100
 elements (one block ahead), no persistent units.
@@ -55,7 +55,7 @@ def _run():
     from shardspeed.comm.collectives import Collectives, CommsLogger
     from shardspeed.mesh.topology import Topology
     from shardspeed.plan import decide
-    from shardspeed.zero.reducer import GradientReducer, ReducePolicy
+    from shardspeed.zero.owned_unit import ReducePolicy
     from shardspeed.zero.stage3_units import build_stage3_units
     from shardspeed.zero.unit import UnitState
 
@@ -67,7 +67,9 @@ def _run():
     name_of = {id(p): n for n, p in model.named_parameters()}
     sharding = decide({"train_batch_size": world, "zero_optimization": {
         "stage": 3, "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0}}, world).sharding
-    units, manager = build_stage3_units(model, sharding, comm, rank)
+    policy = ReducePolicy.for_stage(3, overlap=True, accum_dtype=torch.float32, comm_dtype=torch.float32)
+    manager = reducer = build_stage3_units(model, sharding, comm, rank, policy)
+    units = manager.units
     out = {"rank": rank, "world": world, "unit_names": [[name_of[id(p)] for p in u.params] for u in units],
            "unit_numel": [u.numel for u in units]}
 
@@ -86,14 +88,18 @@ def _run():
         b.register_forward_pre_hook(recorder("fwd"))
     model.head.register_forward_pre_hook(recorder("fwd"))
 
-    def on_ready(i):
-        if log["bwd"] is not None:
-            log["bwd"].append((i, live()))
-        manager.on_unit_grads_ready(i)
+    def watch_ready(o):  # record what is gathered when autograd is done with a unit (before it is released)
+        arrived = o.arrived
 
-    policy = ReducePolicy.for_stage(3, overlap=True, accum_dtype=torch.float32, comm_dtype=torch.float32)
-    reducer = GradientReducer(units, comm, policy, max_buckets=1, on_unit_ready=on_ready,
-                              on_unit_started=manager.on_unit_started)
+        def wrapped(pi, track_release):
+            done = arrived(pi, track_release)
+            if done and log["bwd"] is not None:
+                log["bwd"].append((o.index, live()))
+            return done
+        o.arrived = wrapped
+
+    for o in manager.owned:
+        watch_ready(o)
 
     def shards():
         return [reducer.grad_shard(i).clone() for i in range(len(units))]
@@ -201,8 +207,7 @@ def _run():
     with torch.no_grad():
         model(x)
     s["after_nograd_fwd"] = states()
-    reducer.remove_hooks()
-    manager.remove_hooks()
+    manager.close()
     return out
 
 

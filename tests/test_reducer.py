@@ -1,4 +1,4 @@
-"""GradientReducer alone (no engine): FlatParamUnits over a small model, a Collectives, a policy per stage.
+"""A stage 0-2 ZeroRoot (gradient reduction) alone (no engine): FlatParamUnits over a small model, a Collectives, a policy per stage.
 
 One worker function runs every case on a group (world 2, and world 1) and returns what it observed plus
 the expected values it computed in-process: each rank feeds known per-rank data, so the expected
@@ -97,7 +97,8 @@ def _run():
     from shardspeed.comm.collectives import Collectives, CommsLogger
     from shardspeed.errors import ShardspeedError
     from shardspeed.mesh.topology import Topology
-    from shardspeed.zero.reducer import GradientReducer, ReducePolicy
+    from shardspeed.zero.owned_unit import ReducePolicy
+    from shardspeed.zero.root import ZeroRoot
     from shardspeed.zero.unit import FlatParamUnit
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,7 +112,7 @@ def _run():
         units = [FlatParamUnit(ps, world=uw, rank=ur, index=i) for i, ps in enumerate(_unit_params(model))]
         policy = ReducePolicy.for_stage(stage, overlap=overlap, accum_dtype=torch.float32, comm_dtype=torch.float32)
         # "s3c" as the builder makes stage 3's: bounded in elements (one largest unit alive), small units coalesced
-        reducer = GradientReducer(units, comm, policy, max_buckets=None if coalesce else {2: 3, 3: 1}.get(stage),
+        reducer = ZeroRoot(units, comm, policy, max_buckets=None if coalesce else {2: 3, 3: 1}.get(stage),
                                   coalesce_numel=COALESCE_NUMEL if coalesce else 0,
                                   max_alive_numel=max(u.layout.padded_numel for u in units) if coalesce else 0)
         return model, ref, units, reducer
@@ -151,7 +152,7 @@ def _run():
             res["pending_after_zero"] = None
         except ShardspeedError as exc:
             res["pending_after_zero"] = str(exc)
-        reducer.remove_hooks()
+        reducer.close()
 
         # ---- nosync: a non-boundary backward then a boundary one ------------------------------------
         model, ref, units, reducer = build(stage, overlap, name in COALESCED)
@@ -175,7 +176,7 @@ def _run():
         res["nosync_counts_pending"] = _counts(comm)
         res["nosync"] = _shards(reducer, len(units))
         res["nosync_exp"] = _expected(ref, units, world, lambda r: [_data(r, 1), _data(r, 2)], rank)
-        reducer.remove_hooks()
+        reducer.close()
 
         # ---- twice: two reducing backwards before one step --------------------------------------------
         model, ref, units, reducer = build(stage, overlap, name in COALESCED)
@@ -190,7 +191,7 @@ def _run():
         res["twice_counts_pending"] = _counts(comm)
         res["twice"] = _shards(reducer, len(units))
         res["twice_exp"] = _expected(ref, units, world, lambda r: [_data(r, 3), _data(r, 4)], rank)
-        reducer.remove_hooks()
+        reducer.close()
 
         # ---- assign: .grad written by hand; no hook fires ----------------------------------------------
         model, ref, units, reducer = build(stage, overlap, name in COALESCED)
@@ -205,7 +206,7 @@ def _run():
         res["assign"] = _shards(reducer, len(units))
         res["assign_exp"] = _expected(ref, units, world, lambda r: [_data(r, 6)], rank)
         res["assign_grads_taken"] = [p.grad is None for p in params]
-        reducer.remove_hooks()
+        reducer.close()
 
         # ---- multi: torch.autograd.backward on two outputs ----------------------------------------------
         model, ref, units, reducer = build(stage, overlap, name in COALESCED)
@@ -217,7 +218,7 @@ def _run():
         res["multi_exp"] = _expected(
             ref, units, world, lambda r: [(_data(r, 7)[0][:2], _data(r, 7)[1][:2]),
                                           (_data(r, 7)[0][2:], _data(r, 7)[1][2:])], rank)
-        reducer.remove_hooks()
+        reducer.close()
     return results
 
 
@@ -258,7 +259,7 @@ def _expected_op(name):
 
 
 def test_policy_for_stage():
-    from shardspeed.zero.reducer import ReduceOp, ReducePolicy
+    from shardspeed.zero.owned_unit import ReduceOp, ReducePolicy
 
     kw = {"overlap": False, "accum_dtype": torch.float32, "comm_dtype": torch.float32}
     assert ReducePolicy.for_stage(0, **kw).op is ReduceOp.ALL_REDUCE

@@ -10,6 +10,10 @@
   docstring, the one job it does, marked by starting that line with :data:`ONE_JOB` (``One job: ...``);
   a file that does two jobs is split by job instead (issue 38).
 - module-level assignments named ``MESH_DIMS`` beyond one (issue 38: one definition, imported everywhere else).
+- attributes shardspeed sets on tensors beyond :data:`TENSOR_ATTRS` (torch's own, DeepSpeed's per-parameter
+  ``ds_*`` attributes, zero.Init's record of a parameter's slice, the tensor- and expert-parallel flags
+  DeepSpeed's code reads): nothing on a tensor points at a unit, a root or an engine (a root finds a
+  parameter's unit through a map it owns).
 """
 from __future__ import annotations
 
@@ -53,6 +57,33 @@ def _layer(mod: str) -> int:
 
 def upward(graph: Dict[str, Set[str]]) -> List[str]:
     return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer(b) > _layer(a))
+
+
+#: the attributes shardspeed may set on a parameter (module-level constants holding these names count by name)
+TENSOR_ATTRS = {"data", "grad", "requires_grad", "ds_status", "ds_shape", "ds_numel", "ds_id", "ds_active_sub_modules",
+                "INIT_TAG", "TENSOR_PARALLEL_ATTR", "_REPLICA_ATTR", "tp_slice", "sequence_parallel", "allreduce",
+                "group_name", "_is_hf_initialized"}
+#: the names shardspeed gives parameters and tensors in its code
+TENSOR_NAMES = {"p", "param", "mp", "t", "tensor", "weight", "w"}
+
+
+def tensor_attributes() -> List[str]:
+    """``X.attr = ...`` and ``setattr(X, attr, ...)`` on a tensor-named ``X`` outside :data:`TENSOR_ATTRS`."""
+    hits = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in TENSOR_NAMES:
+                        name = t.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in TENSOR_NAMES:
+                arg = node.args[1]
+                name = arg.value if isinstance(arg, ast.Constant) else ast.unparse(arg)
+            if name is not None and name not in TENSOR_ATTRS:
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno} .{name}")
+    return hits
 
 
 def _module(path: Path) -> str:
@@ -204,6 +235,7 @@ def main() -> int:
     _report("functions over 80 lines", long_functions)
     _report("files over 400 lines without a one-job docstring", without_one_job())
     _report("MESH_DIMS definitions beyond one", mesh_dims_definitions())
+    _report("attributes set on tensors (beyond DeepSpeed's ds_* and zero.Init's record)", tensor_attributes())
     return 0
 
 

@@ -38,7 +38,7 @@ import torch
 from ..errors import ConfigError
 from ..plan import MeshPlan, Plan
 from ..utils.direct_io import aligned_size
-from ..zero.stage3 import PREFETCH_UNITS
+from ..zero.gather_order import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
 from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, parse, plan_for

@@ -31,7 +31,7 @@ from ..comm.collectives import Collectives
 from ..errors import ConfigError
 from ..zero.layout import Piece
 from ..zero.master import MasterWeights, StepResult, device_master
-from ..zero.reducer import GradientReducer
+from ..zero.root import ZeroRoot
 from ..zero.unit import FlatParamUnit
 from .cpu_adam import adam_step, hyper_of, is_adam_family
 from .store import MemoryStateStore, NvmeStateStore, TileState
@@ -78,7 +78,7 @@ class OffloadedMasterWeights(MasterWeights):
     def __init__(
         self,
         units: Sequence[FlatParamUnit],
-        reducer: GradientReducer,
+        reducer: ZeroRoot,
         collectives: Collectives,
         group_of_param: Dict[int, int],
         make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],

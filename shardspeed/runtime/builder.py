@@ -35,11 +35,11 @@ from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
+from ..zero.owned_unit import ReduceOp, ReducePolicy
 from ..zero.parameter_offload import attach_parameter_offload
 from ..zero.placement import DevicePlacement, HostPlacement, ShardPlacement
-from ..zero.reducer import GradientReducer, ReduceOp, ReducePolicy
-from ..zero.stage3 import ParamManager
-from ..zero.stage3_units import build_stage3_units, largest_unit_numel, small_unit_numel
+from ..zero.root import ZeroRoot
+from ..zero.stage3_units import build_stage3_units
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
 from .deepspeed_members import config_as_dict
@@ -182,21 +182,21 @@ def build_engine(
 
     params, group_of = _trained(model, groups, forward_only)
     timers = Timers(cfg.wall_clock_breakdown, topo.device)
-    units, reducer, manager = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
-    master = _master_weights(plan, units, reducer, collectives, group_of,
+    zero = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
+    master = _master_weights(plan, zero, collectives, group_of,
                              (lambda _groups: None) if forward_only else _optimizer_factory(cfg, groups, optimizer),
                              forward_only)
-    if manager is not None:
-        _link_stage3(manager, master, model)
+    if zero.sharded:
+        _link_stage3(zero, master, model)
     parts = EngineParts(
-        module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, reducer=reducer,
+        module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, zero=zero,
         master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale, plan.precision.compute),
         lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
         train_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
         gradient_accumulation_steps=plan.batch.accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
         zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, timers=timers,
         steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
-        memory_breakdown=bool(cfg.memory_breakdown), param_manager=manager,
+        memory_breakdown=bool(cfg.memory_breakdown),
         training_dataloader=_dataloader(cfg, training_data, collate_fn, topo, shuffle=pipe_plan is None), config=cfg,
         config_dict=config_as_dict(config, parsed),
         gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save, async_save=plan.save.async_save,
@@ -230,11 +230,11 @@ def _trained(model: nn.Module, groups, forward_only: bool):
     return params, group_of
 
 
-def _link_stage3(manager, master, model: nn.Module) -> None:
+def _link_stage3(zero: ZeroRoot, master, model: nn.Module) -> None:
     """GatheredParameters' edits of a shard reach the masters; DeepSpeed's handle on the hooks (TRL's
     ``engine.optimizer.parameter_offload``)."""
-    manager.add_shard_listener(master.refresh_from_shard)
-    attach_parameter_offload(master.optimizer, manager, model)
+    zero.add_shard_listener(master.refresh_from_shard)
+    attach_parameter_offload(master.optimizer, zero, model)
 
 
 def _user_topology(mpu) -> Optional[Topology]:
@@ -284,9 +284,8 @@ def _reduce_policy(plan: Plan) -> ReducePolicy:
 
 
 def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, collectives: Collectives,
-                topo: Topology, timers: Timers, experts: Optional[ExpertParts] = None,
-                ) -> Tuple[List[FlatParamUnit], GradientReducer, Optional[ParamManager]]:
-    """The flat units, their gradient reducer and (stage 3) the parameter manager, as the plan says."""
+                topo: Topology, timers: Timers, experts: Optional[ExpertParts] = None) -> ZeroRoot:
+    """The flat units under their root (stage 3: sharded, gathered around use), as the plan says."""
     sh = plan.sharding
     policy = _reduce_policy(plan)
 
@@ -295,25 +294,19 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
 
     if sh.partition_parameters:
         node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
-        units, manager = build_stage3_units(model, sh, collectives, topo.shard_rank,
-                                            placement=_shard_placement(plan.placement, topo.shard_rank),
-                                            secondary=Collectives.over(node, collectives.log) if node else None,
-                                            expert_comm=experts.comm if experts else None,
-                                            is_expert=experts.is_expert if experts else lambda p: False)
-        reducer = GradientReducer(
-            units, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue,
-            coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
-            on_unit_ready=manager.on_unit_grads_ready, first_order=manager.backward_order_guess,
-            on_unit_started=manager.on_unit_started)
-        return list(units), reducer, manager
+        return build_stage3_units(model, sh, collectives, topo.shard_rank, policy,
+                                  placement=_shard_placement(plan.placement, topo.shard_rank),
+                                  secondary=Collectives.over(node, collectives.log) if node else None,
+                                  expert_comm=experts.comm if experts else None,
+                                  is_expert=experts.is_expert if experts else lambda p: False,
+                                  epilogue_timer=epilogue)
     alone = [p for t in ties for p in t.params]  # tied copies: one unit each, split alike on every stage
     flat = build_flat_units(params, _build_units, sh.reduce_bucket, sh.unit_world,
                             topo.shard_rank if sh.unit_world > 1 else 0, alone, experts or ExpertParts())
-    return flat, GradientReducer(flat, collectives, policy, max_buckets=sh.buckets_alive,
-                                 epilogue_timer=epilogue), None
+    return ZeroRoot(flat, collectives, policy, max_buckets=sh.buckets_alive, epilogue_timer=epilogue)
 
 
-def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Collectives, group_of: Dict[int, int],
+def _master_weights(plan: Plan, zero: ZeroRoot, collectives: Collectives, group_of: Dict[int, int],
                     make_optimizer, forward_only: bool = False) -> MasterWeights:
     """fp32 masters and the optimizer: on the device, or (offload_optimizer) on the host or in files; none of
     either for a forward-only engine."""
@@ -321,11 +314,11 @@ def _master_weights(plan: Plan, units, reducer: GradientReducer, collectives: Co
     kwargs: Dict[str, Any] = dict(sharded=sh.partition_optimizer, gather_after_step=sh.gather_after_step,
                                   check_overflow=plan.precision.check_overflow)
     if pl.optimizer == "device" or forward_only:
-        return MasterWeights(units, reducer, collectives, group_of, make_optimizer, **kwargs)
+        return MasterWeights(zero.units, zero, collectives, group_of, make_optimizer, **kwargs)
     offload = OffloadPlan(device="cpu" if pl.optimizer == "host" else "nvme", nvme_path=pl.optimizer_path,
                           buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,
                           tile_elems=pl.tile_elems)
-    return OffloadedMasterWeights(units, reducer, collectives, group_of, make_optimizer, plan=offload, **kwargs)
+    return OffloadedMasterWeights(zero.units, zero, collectives, group_of, make_optimizer, plan=offload, **kwargs)
 
 
 def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,

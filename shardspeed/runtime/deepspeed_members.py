@@ -339,9 +339,9 @@ class DeepSpeedMembers:
     def empty_partition_cache(self) -> None:
         """ZeRO stage 3: release every gathered parameter (persistent ones too; gathered again at their next use)
         and return the freed blocks to the device."""
-        if self._p.param_manager is None:
+        if not self._p.zero.sharded:
             return
-        self._p.param_manager.after_step()  # its "parameters changed": drops every gathered copy
+        self._p.zero.after_step()  # its "parameters changed": drops every gathered copy
         gc.collect()
         if self._p.topology.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -356,7 +356,7 @@ class DeepSpeedMembers:
                                   "moving states is not supported then (as in DeepSpeed)")
         if self.optimizer is None:
             raise ShardspeedError("offload_states() needs an optimizer (this engine has none)")
-        self._states.offload(self._p.master, self._p.reducer, include, device, pin_memory, non_blocking)
+        self._states.offload(self._p.master, self._p.zero, include, device, pin_memory, non_blocking)
         if self._p.topology.device.type == "cuda":
             torch.cuda.empty_cache()
 

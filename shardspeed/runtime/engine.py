@@ -24,7 +24,7 @@ from ..monitor.master import MonitorMaster
 from ..monitor.step_snapshot import StepSnapshot
 from ..monitor.timers import Timers
 from ..zero.master import MasterWeights
-from ..zero.reducer import GradientReducer
+from ..zero.root import ZeroRoot
 from .deepspeed_members import DeepSpeedMembers, missing_member
 from .parts import EngineParts, move_inputs, no_move_error
 from .progress import ProgressSlot, make_progress
@@ -57,7 +57,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._last_loss: Optional[torch.Tensor] = None
         self._memory, self._log, self._flops = step_reports(parts)  # the engine's reports, told of each step
         self._progress = ProgressSlot()  # the bar of progress(), refreshed after each optimizer step
-        parts.reducer.set_sync_policy(self._reduce_this_micro_step)
+        parts.zero.set_sync_policy(self._reduce_this_micro_step)
         # engine.monitor: DeepSpeed's MonitorMaster (write_events); the step's events come from parts.monitor
         self.monitor = parts.monitor.master if parts.monitor is not None else MonitorMaster()
         self._init_deepspeed_members()
@@ -69,8 +69,8 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     @property
     def param_manager(self):
-        """Stage 3's :class:`~shardspeed.zero.stage3.ParamManager` (its units, gather counts), else None."""
-        return self._p.param_manager
+        """Stage 3's :class:`~shardspeed.zero.root.ZeroRoot` (its units, gather counts), else None."""
+        return self._p.zero if self._p.zero.sharded else None
 
     @property
     def master_weights(self) -> MasterWeights:
@@ -79,9 +79,9 @@ class Engine(DeepSpeedMembers, nn.Module):
         return self._p.master
 
     @property
-    def reducer(self) -> GradientReducer:
-        """The :class:`~shardspeed.zero.reducer.GradientReducer` that buckets and reduces gradients in backward."""
-        return self._p.reducer
+    def reducer(self) -> ZeroRoot:
+        """The :class:`~shardspeed.zero.root.ZeroRoot` that buckets and reduces gradients in backward."""
+        return self._p.zero
 
     @property
     def comms_logger(self) -> CommsLogger:
@@ -103,13 +103,13 @@ class Engine(DeepSpeedMembers, nn.Module):
         """The dtype the module computes in (fp16 / bf16 / fp32)."""
         return self._p.train_dtype
 
-    def boundary_step(self, before_optimizer: Optional[Callable[[GradientReducer], None]] = None) -> None:
+    def boundary_step(self, before_optimizer: Optional[Callable[[ZeroRoot], None]] = None) -> None:
         """The boundary's work for a driver running forward and backward itself (after record_step_loss):
         reduce what is pending, ``before_optimizer(reducer)`` (e.g. sum tied gradients), step, monitors."""
         with self._timers("step"):
-            self._p.reducer.reduce_pending()
+            self._p.zero.reduce_pending()
             if before_optimizer is not None:
-                before_optimizer(self._p.reducer)
+                before_optimizer(self._p.zero)
             done = self._optimizer_step()
         if self._p.monitor is not None:  # after the step timer stopped, as in step()
             self._p.monitor.after_step(done, self._timers)
@@ -273,8 +273,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         their first use until the optimizer step, across every micro-batch (FSDP2's
         ``reshard_after_forward``), e.g. for a pipeline stage or gradients assigned by hand. Stages 0-2
         always hold whole parameters: nothing to do."""
-        if self._p.param_manager is not None:
-            self._p.param_manager.set_reshard_after_forward(reshard, modules)
+        if self._p.zero.sharded:
+            self._p.zero.set_reshard_after_forward(reshard, modules)
 
     def enable_activation_checkpointing(self, policy: Optional[str] = None,
                                         block_types: Optional[Sequence[Type[nn.Module]]] = None) -> int:
@@ -311,7 +311,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         loss itself) skips the division by the accumulation steps.
 
         The reduction needs nothing from here: gradient hooks and an end-of-backward callback reduce the
-        gradients of any backward (see :class:`~shardspeed.zero.reducer.GradientReducer`), so a plain
+        gradients of any backward (see :class:`~shardspeed.zero.root.ZeroRoot`), so a plain
         ``loss.backward()`` followed by :meth:`step` trains the same (scale and divide the loss yourself
         then). Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does.
         """
@@ -339,7 +339,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         if boundary:
             profiled = self._flops.active(self.global_steps)
             with self._timers("step"), self._flops.scope("step", self.global_steps):
-                self._p.reducer.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
+                self._p.zero.reduce_pending()  # .grad assigned by hand, backwards that did not reduce
                 done = self._optimizer_step()
             if profiled:
                 self._flops.report(done, self._p.micro_batch_size)
@@ -355,8 +355,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         p = self._p
         self._before_update()  # a save in flight may still write the state this step changes; states offloaded?
         result = p.master.step(loss_scale=p.loss_scaler.scale, clip=p.gradient_clipping)
-        if p.param_manager is not None:
-            p.param_manager.after_step()
+        p.zero.after_step()
         p.loss_scaler.update(result.overflow)
         self._record_overflow(result.overflow)
         self._grad_norm = None if result.overflow else result.grad_norm
@@ -365,7 +364,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             self._log.skipped(self.global_steps, result.grad_norm, self.skipped_steps, p.loss_scaler)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        p.reducer.zero_grads()
+        p.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += p.train_batch_size
         done = StepSnapshot(self.global_steps, self.global_samples, p.train_batch_size, self._last_loss,
@@ -376,7 +375,7 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine also does this after every optimizer step)."""
-        self._p.reducer.zero_grads()
+        self._p.zero.zero_grads()
         for prm in self.module.parameters():
             prm.grad = None
 
@@ -389,7 +388,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             module=self.module, master=p.master, collectives=p.collectives, zero_stage=p.zero_stage,
             train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
             loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
-            rng=RNGState(), param_manager=p.param_manager, async_saves=p.async_saves,
+            rng=RNGState(), param_manager=self.param_manager, async_saves=p.async_saves,
             gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=p.world_collectives,
         )
 

@@ -15,7 +15,7 @@ from ..monitor.timers import Timers
 from ..optim.schedules import SchedulerLike
 from ..precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from ..zero.master import MasterWeights
-from ..zero.reducer import GradientReducer
+from ..zero.root import ZeroRoot
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..autotune.probe import ProfileWindow
@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..monitor.step_events import StepEvents
     from ..parallel.tp.inputs import InputConsistencyCheck
     from ..profiling.engine_profiler import StepFlopsProfiler
-    from ..zero.stage3 import ParamManager
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class EngineParts:
     topology: Topology
     collectives: Collectives
     comms_logger: CommsLogger
-    reducer: GradientReducer
+    zero: ZeroRoot  # the units under their root: gradient reduction at every stage, gathers at stage 3
     master: MasterWeights
     loss_scaler: Union[StaticLossScaler, DynamicLossScaler]
     lr_scheduler: Optional[SchedulerLike]  # a torch LR scheduler, one of shardspeed.optim.schedules, the user's
@@ -44,11 +43,10 @@ class EngineParts:
     gradient_clipping: float
     zero_stage: int
     train_dtype: torch.dtype
-    timers: Timers  # wall_clock_breakdown (disabled timers cost nothing); the reducer times its epilogue too
+    timers: Timers  # wall_clock_breakdown (disabled timers cost nothing); the root times its end-of-backward wait too
     steps_per_print: Optional[int] = None
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False  # each steps_per_print line logs engine.memory_breakdown()
-    param_manager: Optional[ParamManager] = None  # stage 3: gathers/releases parameters around module use
     training_dataloader: Optional[Iterable] = None
     gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
     config: Optional[ShardspeedConfig] = None  # kept for checkpoints and introspection only; never branched on

@@ -19,7 +19,7 @@ from ..monitor.timers import Timers
 from ..precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from ..profiling.peak import peak_flops
 from ..zero.master import MasterWeights
-from ..zero.reducer import GradientReducer
+from ..zero.root import ZeroRoot
 from .parts import EngineParts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,9 +30,9 @@ logger = logging.getLogger("shardspeed")
 
 
 class ModelStateBytes:
-    """Bytes of model states this rank holds, counted from the tensors of the master weights and the reducer."""
+    """Bytes of model states this rank holds, counted from the tensors of the master weights and the units' root."""
 
-    def __init__(self, master: MasterWeights, reducer: GradientReducer, device: torch.device):
+    def __init__(self, master: MasterWeights, reducer: ZeroRoot, device: torch.device):
         self._master = master
         self._reducer = reducer
         self._device = device
@@ -164,7 +164,7 @@ class StepFlops:
 
 def step_reports(parts: EngineParts) -> Tuple[ModelStateBytes, StepLog, StepFlops]:
     """The engine's reporting parts, built from its parts (the engine calls them; none holds the engine)."""
-    memory = ModelStateBytes(parts.master, parts.reducer, parts.topology.device)
+    memory = ModelStateBytes(parts.master, parts.zero, parts.topology.device)
     log = StepLog(parts.steps_per_print, parts.timers if parts.wall_clock_breakdown else None, parts.comms_logger,
                   memory if parts.memory_breakdown else None, torch.distributed.get_rank())
     return memory, log, StepFlops(parts.flops_profiler, parts.monitor, parts.topology, parts.train_dtype)

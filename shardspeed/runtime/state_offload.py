@@ -23,7 +23,7 @@ import torch
 from ..compat.alias import not_provided
 from ..errors import ShardspeedError
 from ..zero.master import MasterWeights
-from ..zero.reducer import GradientReducer
+from ..zero.root import ZeroRoot
 
 logger = logging.getLogger("shardspeed")
 
@@ -79,7 +79,7 @@ class StateOffload:
         record.append((t, t.device))
         return copy(t.data)
 
-    def offload(self, master: MasterWeights, reducer: GradientReducer, include: Optional[Container[Any]],
+    def offload(self, master: MasterWeights, reducer: ZeroRoot, include: Optional[Container[Any]],
                 device: Any, pin_memory: bool, non_blocking: bool) -> None:
         target = _value(device)
         kinds = _kinds(include)

@@ -7,7 +7,8 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from .tags import ZeroParamStatus, init_shard_of, set_status, unit_of
+from .live_roots import unit_of
+from .tags import ZeroParamStatus, in_stage3_unit, init_shard_of, set_status
 from .unit import UnitState
 
 
@@ -18,15 +19,16 @@ def _as_list(params) -> list:
 
 
 def _units_of(params) -> list:
+    """(unit, root) of each stage-3 unit holding one of ``params``, once each."""
     seen, out = set(), []
     for p in params:
-        tag = unit_of(p)
-        if tag is None:
+        found = unit_of(p)
+        if found is None:
             continue  # not a stage-3 parameter: already whole, nothing to gather
-        unit, manager = tag.unit, tag.manager
-        if unit.index not in seen:
-            seen.add(unit.index)
-            out.append((unit, manager))
+        owned, root = found
+        if id(owned) not in seen:
+            seen.add(id(owned))
+            out.append((owned.unit, root))
     return out
 
 
@@ -34,7 +36,7 @@ def _init_sharded(params) -> list:
     """Parameters built under ``zero.Init`` that no engine has taken yet (sharded one by one), once each."""
     seen, out = set(), []
     for p in params:
-        if init_shard_of(p) is not None and id(p) not in seen and unit_of(p) is None:
+        if init_shard_of(p) is not None and id(p) not in seen and not in_stage3_unit(p):
             seen.add(id(p))
             out.append(p)
     return out

@@ -42,7 +42,7 @@ from ..comm.collectives import Collectives
 from ..errors import CheckpointError, ShardspeedError
 from ..mesh.init import init_distributed
 from ..mesh.topology import Topology
-from .tags import init_shard_of, is_sharded, tag_init_shard, unit_of  # init_shard_of: also imported from here
+from .tags import in_stage3_unit, init_shard_of, is_sharded, tag_init_shard  # init_shard_of: also imported from here
 
 
 @dataclass
@@ -354,11 +354,11 @@ def _check_sharded_state_dict(module, state_dict, prefix, local_metadata) -> Non
     for name, p in module.named_parameters(recurse=False):
         t = state_dict.get(prefix + name)
         info = init_shard_of(p)
-        sharded = info is not None or unit_of(p) is not None
+        sharded = info is not None or in_stage3_unit(p)
         if t is not None and sharded and t.numel() == 0 and (info is None or info.numel):
             if _in_save_pretrained():
                 raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
-            if unit_of(p) is None:  # stage 3's own hook warns for its modules
+            if not in_stage3_unit(p):  # stage 3's own hook warns for its modules
                 warnings.warn(
                     "model.state_dict() holds empty tensors: the model was built under shardspeed.zero.Init "
                     "and its parameters are sharded across ranks. Read them inside "
@@ -371,7 +371,7 @@ def warn_sharded_state_dict(module, state_dict, prefix, local_metadata) -> None:
     """``model.state_dict()`` at stage 3 holds empty placeholders: say so instead of saving nothing."""
     for name, p in module.named_parameters():
         t = state_dict.get(prefix + name)
-        if t is not None and t.numel() == 0 and unit_of(p) is not None:
+        if t is not None and t.numel() == 0 and in_stage3_unit(p):
             if _in_save_pretrained():  # transformers would write the placeholders: refuse
                 raise CheckpointError(SAVE_PRETRAINED_MESSAGE)
             warnings.warn(
@@ -388,7 +388,7 @@ def refuse_deepspeed_partitioned(module: nn.Module) -> None:
     """Refuse a model whose parameters the real DeepSpeed's ``zero.Init`` partitioned (they carry ``ds_tensor``
     and hold empty placeholders that shardspeed cannot gather), naming the first such parameter."""
     for name, p in module.named_parameters():
-        if hasattr(p, "ds_tensor") and init_shard_of(p) is None and unit_of(p) is None:
+        if hasattr(p, "ds_tensor") and init_shard_of(p) is None and not in_stage3_unit(p):
             raise ShardspeedError(
                 f"parameter '{name}' was partitioned by DeepSpeed's own zero.Init (it has ds_id/ds_tensor and holds an "
                 "empty placeholder), which shardspeed cannot gather: build the model under shardspeed.zero.Init, or "

@@ -21,7 +21,7 @@ import torch
 from ..comm.collectives import Collectives
 from ..mesh.replicas import counts_in_norm
 from .layout import Piece
-from .reducer import GradientReducer
+from .root import ZeroRoot
 from .unit import FlatParamUnit
 
 
@@ -83,7 +83,7 @@ class MasterWeights:
     def __init__(
         self,
         units: Sequence[FlatParamUnit],
-        reducer: GradientReducer,
+        reducer: ZeroRoot,
         collectives: Collectives,
         group_of_param: Dict[int, int],
         make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],

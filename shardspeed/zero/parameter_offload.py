@@ -6,7 +6,7 @@ way (``trl.models.utils.unwrap_model_for_generation``): inside ``GatheredParamet
 ``remove()``-s every handle in ``forward_hooks`` and ``backward_hooks``, empties both lists, generates with
 plain torch modules, then calls ``param_coordinator._invalidate_trace()`` and
 ``_register_deepspeed_module(module)`` to hook the model again. :class:`ParameterOffload` gives those names
-their meaning on a :class:`~shardspeed.zero.stage3.ParamManager`:
+their meaning on a :class:`~shardspeed.zero.root.ZeroRoot`:
 
 - ``forward_hooks`` is the manager's list of hook handles (forward pre/post hooks, parameter-read watchers):
   removing them really takes the hooks off, and assigning a list replaces the manager's.
@@ -29,7 +29,7 @@ import torch.nn as nn
 from ..errors import ShardspeedError
 
 if TYPE_CHECKING:
-    from .stage3 import ParamManager
+    from .root import ZeroRoot
 
 #: the attribute on the engine's optimizer (DeepSpeed's stage-3 optimizer has it)
 OFFLOAD_ATTR = "parameter_offload"
@@ -38,7 +38,7 @@ OFFLOAD_ATTR = "parameter_offload"
 class TraceCoordinator:
     """DeepSpeed's ``param_coordinator``, as far as its trace state: over the manager's gather-order trace."""
 
-    def __init__(self, manager: ParamManager):
+    def __init__(self, manager: ZeroRoot):
         self._manager = manager
 
     def is_invalid_trace(self) -> bool:
@@ -53,7 +53,7 @@ class TraceCoordinator:
 class ParameterOffload:
     """See the module docstring. ``module`` is the engine's model (the module the hooks are on)."""
 
-    def __init__(self, manager: ParamManager, module: nn.Module):
+    def __init__(self, manager: ZeroRoot, module: nn.Module):
         self._manager = manager
         self.module = module
         self.param_coordinator = TraceCoordinator(manager)
@@ -89,7 +89,7 @@ class _ExternalParameters:
     module does not hold (a tied weight, a parameter its forward reads from elsewhere). A copy or a pickle of
     the module gets an empty one (the copy is not hooked, as its parameter dict is not)."""
 
-    def __init__(self, manager: Optional[ParamManager], module: Optional[nn.Module]):
+    def __init__(self, manager: Optional[ZeroRoot], module: Optional[nn.Module]):
         self._manager, self._module = manager, module
 
     def __call__(self) -> Iterator[Tuple[int, nn.Parameter]]:
@@ -104,7 +104,7 @@ class _ExternalParameters:
         return _ExternalParameters, (None, None)
 
 
-def attach_parameter_offload(optimizer: Any, manager: ParamManager, module: nn.Module) -> None:
+def attach_parameter_offload(optimizer: Any, manager: ZeroRoot, module: nn.Module) -> None:
     """Give ``optimizer`` (the engine's) its ``parameter_offload`` and every module of ``module`` its
     ``ds_external_parameters()``. A forward-only engine (no optimizer) has no ``parameter_offload``."""
     for m in module.modules():

@@ -1,5 +1,5 @@
-"""Which modules own stage-3 units (:func:`select_units`, pure) and building the units and their
-:class:`~shardspeed.zero.stage3.ParamManager` for a model (:func:`build_stage3_units`)."""
+"""Which modules own stage-3 units (:func:`select_units`, pure) and building a model's stage-3 units and
+their :class:`~shardspeed.zero.root.ZeroRoot` (:func:`build_stage3_units`)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -10,9 +10,10 @@ import torch.nn as nn
 from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..utils.z3_leaf_module import z3_leaf_module
+from .owned_unit import ReducePolicy
 from .placement import DevicePlacement, ShardPlacement
-from .stage3 import ParamManager
-from .tags import init_shard_of, tag_unit
+from .root import GatherPolicy, ZeroRoot
+from .tags import init_shard_of
 from .unit import ShardedParamUnit
 
 
@@ -81,16 +82,16 @@ def unit_max_numel(total: int, prefetch_bucket_size: int) -> int:
     return max(1, min(cap, total // 4))
 
 
-def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, rank: int,
+def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, rank: int, policy: ReducePolicy,
                        placement: Callable[[], ShardPlacement] = DevicePlacement,
                        secondary: Optional[Collectives] = None, expert_comm: Optional[Collectives] = None,
-                       is_expert: Callable[[nn.Parameter], bool] = lambda p: False):
-    """Shard ``model``'s parameters into units and hook them; each unit's shard is held by a new
-    ``placement()`` (device, host or file, as the builder decided). ``sharding``: the plan's
+                       is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
+                       epilogue_timer: Optional[Callable] = None) -> ZeroRoot:
+    """Shard ``model``'s parameters into units and hook them under one root; each unit's shard is held by a
+    new ``placement()`` (device, host or file, as the builder decided). ``sharding``: the plan's
     :class:`~shardspeed.plan.ShardingPlan` (prefetch bucket, persistence threshold, live parameters, ZeRO++).
     ``secondary``: hpZ's collectives within this rank's node. ``expert_comm``: the expert-data group's
-    collectives, over which the parameters ``is_expert`` picks are sharded (in units of their own). Returns
-    (units, manager)."""
+    collectives, over which the parameters ``is_expert`` picks are sharded (in units of their own)."""
     all_params = list(dict.fromkeys(model.parameters()))
     total = sum(param_numel(p) for p in all_params)
     selected = select_units(model, unit_max_numel(total, sharding.prefetch_bucket))
@@ -99,7 +100,7 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
     for owner, params in selected:
         # one flat buffer has one dtype; frozen and trainable parameters apart, so that every rank owns its
         # share of the trainable elements (a LoRA adapter after its frozen base weight would otherwise sit on
-        # the last rank) and autograd's use of frozen weights is tracked on its own (see _post_backward)
+        # the last rank) and autograd's use of frozen weights is tracked on its own (OwnedUnit.post_backward)
         by_kind: Dict[Tuple[torch.dtype, bool, bool], List[nn.Parameter]] = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.requires_grad, expert_comm is not None and is_expert(p)), []).append(p)
@@ -110,19 +111,13 @@ def build_stage3_units(model: nn.Module, sharding, collectives: Collectives, ran
             if expert:
                 units[-1].comm = comm
             owners.append(owner)
-    manager = ParamManager(
-        units, owners, collectives,
-        prefetch_numel=int(sharding.prefetch_bucket),
-        persistence_numel=int(sharding.persistence_threshold),
-        max_live_numel=int(sharding.max_live_parameters),
-        root=model,
-        weight_codec=_weight_codec(sharding.zeropp), quantize_frozen_only=sharding.zeropp.weights == "frozen",
-        secondary=secondary,
-    )
-    for u in units:
-        for i, p in enumerate(u.params):
-            tag_unit(p, u, i, manager)
-    return units, manager
+    gather = GatherPolicy(int(sharding.prefetch_bucket), int(sharding.persistence_threshold),
+                          int(sharding.max_live_parameters), _weight_codec(sharding.zeropp),
+                          sharding.zeropp.weights == "frozen")
+    timer = {"epilogue_timer": epilogue_timer} if epilogue_timer is not None else {}
+    return ZeroRoot(units, collectives, policy, max_buckets=sharding.buckets_alive,
+                    coalesce_numel=small_unit_numel(units), max_alive_numel=largest_unit_numel(units),
+                    module=model, owners=owners, gather=gather, secondary=secondary, **timer)
 
 
 def small_unit_numel(units: Sequence[ShardedParamUnit]) -> int:

@@ -1,39 +1,28 @@
-"""The two tags ZeRO puts on a parameter and DeepSpeed's ``ds_*`` attributes: the only code that sets them.
+"""What ZeRO records on a parameter, and the only code that sets it: zero.Init's tag and DeepSpeed's ``ds_*``
+attributes.
 
 ``_shardspeed_init``: an :class:`~shardspeed.zero.init.InitShard`, set by ``zero.Init`` when it shards the
-parameter (this rank's slice of it); removed when stage 3 takes the slice into a unit.
+parameter (this rank's slice of it, as DeepSpeed's ``ds_tensor`` travels on its parameters); removed when
+stage 3 takes the slice into a unit. The attribute name stays on the parameter (code outside shardspeed may
+check ``hasattr(p, "_shardspeed_init")``); inside shardspeed every reader and writer goes through here.
 
-``_shardspeed_unit``: a :class:`UnitTag` ``(unit, param_index, manager)``, set by stage 3's builder: the
-:class:`~shardspeed.zero.unit.ShardedParamUnit` holding the parameter, its index in ``unit.params``, and
-the :class:`~shardspeed.zero.stage3.ParamManager` that gathers the unit. It is a 3-tuple, as it always was.
-
-The attribute names stay on the parameter (code outside shardspeed, e.g. ``hasattr(p, "_shardspeed_init")``,
-may check them); inside shardspeed every reader and writer goes through these functions.
+``ds_status``, ``ds_shape``, ``ds_numel``, ``ds_id``, ``ds_active_sub_modules``: DeepSpeed's read-only
+attributes, which TRL, peft and transformers read. Nothing on a parameter points at its unit or at what
+gathers it: the root of a model's units finds a parameter's unit through a map it owns
+(:meth:`~shardspeed.zero.root.ZeroRoot.unit_of`).
 """
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from .init import InitShard
-    from .stage3 import ParamManager
-    from .unit import ShardedParamUnit
 
 #: The attribute ``zero.Init`` sets.
 INIT_TAG = "_shardspeed_init"
-#: The attribute stage 3 sets.
-UNIT_TAG = "_shardspeed_unit"
-
-
-class UnitTag(NamedTuple):
-    """Where a stage-3 parameter lives: its unit, its index there, and the manager that gathers the unit."""
-
-    unit: ShardedParamUnit
-    param_index: int  # in unit.params
-    manager: ParamManager
 
 
 class ZeroParamStatus(Enum):
@@ -94,26 +83,16 @@ def clear_init_shard(p: torch.Tensor) -> None:
         delattr(p, INIT_TAG)
 
 
-# ---- stage 3's tag ----------------------------------------------------------------------------------------
+# ---- stage 3's mark ---------------------------------------------------------------------------------------
 
-def unit_of(p: torch.Tensor) -> Optional[UnitTag]:
-    """The stage-3 unit holding ``p`` (with its index and manager), or None for a parameter no stage-3 engine
-    manages."""
-    return getattr(p, UNIT_TAG, None)
-
-
-def tag_unit(p: torch.Tensor, unit: ShardedParamUnit, param_index: int, manager: ParamManager) -> None:
-    """Record that ``p`` is ``unit.params[param_index]`` of stage-3 ``unit``, gathered by ``manager``."""
-    setattr(p, UNIT_TAG, UnitTag(unit, param_index, manager))
-    set_ds_attributes(p, unit.shapes[param_index])
-
-
-def clear_unit(p: torch.Tensor) -> None:
-    """Drop stage 3's tag; nothing to do when ``p`` has none."""
-    if hasattr(p, UNIT_TAG):
-        delattr(p, UNIT_TAG)
+def in_stage3_unit(p: torch.Tensor) -> bool:
+    """A stage-3 unit holds ``p``: :func:`mark_stage3` gave it shardspeed's ``ds_status`` and
+    ``ds_active_sub_modules`` (zero.Init sets only the first). Which unit, and which root gathers it, only the
+    root knows (:meth:`~.root.ZeroRoot.unit_of`)."""
+    return (isinstance(getattr(p, "ds_status", None), ZeroParamStatus) and hasattr(p, "ds_active_sub_modules")
+            and init_shard_of(p) is None)
 
 
 def is_sharded(p: torch.Tensor) -> bool:
     """True when ``p`` holds only a placeholder: sharded by ``zero.Init`` or by a stage-3 unit."""
-    return init_shard_of(p) is not None or unit_of(p) is not None
+    return init_shard_of(p) is not None or in_stage3_unit(p)
