@@ -1,8 +1,9 @@
 """``decide(config, world_size, facts) -> Plan``: every decision about a run, in one pure function.
 
 Pure: it reads the config and the facts it is given, creates no process group and no tensor, so it is
-tested with plain objects. The config is read, parsed and loaded once, here (the builder never sees it); every contradiction between keys, or between
-the config and the model's facts, is a :class:`~shardspeed.errors.ConfigError` naming the keys.
+tested with plain objects. The config is read, parsed and loaded once, here (the builder never sees it);
+every contradiction between keys, or between the config and the model's facts, is a
+:class:`~shardspeed.errors.ConfigError` naming the keys.
 """
 from __future__ import annotations
 

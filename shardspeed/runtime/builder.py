@@ -136,8 +136,9 @@ def _scheduler(step: OptimizerPlan, optimizer, client_scheduler):
 
 
 def build_comms_logger(cl: CommsLoggerPlan) -> CommsLogger:
-    """The plan's ``comms_logger`` (or the config's block, the same fields): records, per-call lines (`verbose`), the ops profiled (`prof_all` /
-    `prof_ops`) and callers (`debug`) when `enabled`; the byte totals are always kept."""
+    """The plan's ``comms_logger`` (or the config's block: the same fields): records, per-call lines
+    (`verbose`), the ops profiled (`prof_all` / `prof_ops`) and callers (`debug`) when `enabled`; the byte
+    totals are always kept."""
     on = bool(cl.enabled)
     return CommsLogger(keep_records=on, verbose=on and bool(cl.verbose), debug=on and bool(cl.debug),
                        ops=None if (cl.prof_all or not on) else cl.prof_ops)
