@@ -14,6 +14,8 @@
   ``ds_*`` attributes, zero.Init's record of a parameter's slice, the tensor- and expert-parallel flags
   DeepSpeed's code reads): nothing on a tensor points at a unit, a root or an engine (a root finds a
   parameter's unit through a map it owns).
+- modules the builder assembles importing ``shardspeed.config`` (annotation-only imports too): the config is
+  read once, by the plan; only what sits above the builder and speaks config (:data:`SPEAKS_CONFIG`) may.
 """
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ LAYERS = [
 #: below that layer imports them): the layer of the folder named here
 FACADES = {"shardspeed.utils.tensor_fragment": "checkpoint", "shardspeed.utils.zero_to_fp32": "checkpoint",
            "shardspeed.compat.site": "__init__"}
+
+
+#: What may import shardspeed.config: the config and the plan themselves, what sits above the builder and
+#: speaks config (the command line, the integrations that fill "auto", the autotuner that writes configs), and
+#: DeepSpeed's mirrored config classes (``deepspeed.runtime.config``, ``.zero.config``, ``.precision_config``)
+SPEAKS_CONFIG = ("shardspeed.config", "shardspeed.plan", "shardspeed.cli", "shardspeed.integrations",
+                 "shardspeed.autotune", "shardspeed.runtime.config", "shardspeed.runtime.zero.config",
+                 "shardspeed.runtime.precision_config")
 
 
 def _layer(mod: str) -> int:
@@ -103,12 +113,13 @@ def _is_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def import_graph() -> Dict[str, Set[str]]:
+def import_graph(typing_too: bool = False) -> Dict[str, Set[str]]:
+    """Every module's imports of shardspeed's modules; ``typing_too``: those under ``if TYPE_CHECKING`` too."""
     files = {_module(p): p for p in PKG.rglob("*.py")}
     graph: Dict[str, Set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for b in tree.body if _is_type_checking(b) for n in ast.walk(b)}
+        typing_only = set() if typing_too else {id(n) for b in tree.body if _is_type_checking(b) for n in ast.walk(b)}
         for node in ast.walk(tree):  # imports inside functions too: a lazy import is still a dependency
             if id(node) in typing_only:
                 continue
@@ -164,6 +175,15 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def config_importers(graph: Dict[str, Set[str]]) -> List[str]:
+    """Modules outside :data:`SPEAKS_CONFIG` that import shardspeed.config (or one of its modules)."""
+    def under(mod: str, names) -> bool:
+        return any(mod == n or mod.startswith(n + ".") for n in names)
+
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() if not under(a, SPEAKS_CONFIG)
+                  for b in bs if under(b, ("shardspeed.config",)))
 
 
 def private_parts() -> List[str]:
@@ -236,6 +256,7 @@ def main() -> int:
     _report("files over 400 lines without a one-job docstring", without_one_job())
     _report("MESH_DIMS definitions beyond one", mesh_dims_definitions())
     _report("attributes set on tensors (beyond DeepSpeed's ds_* and zero.Init's record)", tensor_attributes())
+    _report("modules the builder assembles importing shardspeed.config", config_importers(import_graph(True)))
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..plan import BatchPlan, TrialPlan
 from ..utils.safe_files import write_atomic
 
 logger = logging.getLogger("shardspeed")
@@ -148,10 +149,10 @@ class ProfileWindow:
         raise SystemExit(0)
 
 
-def build_profile_window(cfg: Any, units: List[Any], device: torch.device) -> Optional[ProfileWindow]:
-    """The window of a config whose ``autotuning.enabled`` is true (None otherwise)."""
-    at = cfg.autotuning
-    if not at.enabled:
+def build_profile_window(trial: Optional[TrialPlan], batch: BatchPlan, units: List[Any],
+                         device: torch.device) -> Optional[ProfileWindow]:
+    """The window of an autotuning trial (the plan's ``report.trial``; None: not a trial, no window)."""
+    if trial is None:
         return None
     sizes = [sum(int(torch.Size(s).numel()) for s in u.shapes) for u in units]
     experts = [u for u in units if getattr(u, "comm", None) is not None]  # over the expert-data group
@@ -159,9 +160,9 @@ def build_profile_window(cfg: Any, units: List[Any], device: torch.device) -> Op
     facts = ModelFacts(num_params=sum(sizes), largest_unit=max(sizes, default=0), num_units=len(sizes),
                        expert_params=sum(int(torch.Size(s).numel()) for u in experts for s in u.shapes),
                        ep_size=max((sl.size for sl in slices if sl is not None), default=1))
-    path = at.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
+    path = trial.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
     if device.type == "cpu":
         reset_peak_rss()  # count what training holds, not the full model the script built before initialize
-    return ProfileWindow(start_step=at.start_profile_step, end_step=at.end_profile_step, metric_path=path,
-                         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-                         gradient_accumulation_steps=cfg.gradient_accumulation_steps, facts=facts, device=device)
+    return ProfileWindow(start_step=trial.start_step, end_step=trial.end_step, metric_path=path,
+                         train_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
+                         gradient_accumulation_steps=batch.accumulation_steps, facts=facts, device=device)

@@ -179,7 +179,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     try:
         tmp, err, tag0 = view.broadcast_object(prep)
         if err is None and tag0 != tag:
-            tag, err = _check_tag(engine.shardspeed_config.checkpoint.tag_validation, view.rank, tag, tag0)
+            tag, err = _check_tag(view.parts.tag_validation, view.rank, tag, tag0)
         view.agree(err)
         assert tmp is not None
         job = RankSave(view.rank, save_dir, tmp, tag, save_latest, t0, lock=lock)

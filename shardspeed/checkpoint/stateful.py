@@ -126,6 +126,8 @@ class CheckpointParts:
     #: the engine's asynchronous saves (:class:`~shardspeed.checkpoint.async_save.AsyncSaves`): one in flight
     #: at most, waited for by the next save, load and ``engine.destroy()``; None: saves are synchronous only
     async_saves: Optional[AsyncSaves] = None
+    #: ``checkpoint.tag_validation``: what a save does when ranks pass different tags ("WARN", "IGNORE", "FAIL")
+    tag_validation: str = "WARN"
 
     @property
     def rank(self) -> int:

@@ -157,11 +157,9 @@ def _mpu_comm(mpu: Any) -> Optional[Collectives]:
 
 def _plan_from_config(deepspeed_config: Any) -> CheckpointingPlan:
     """The activation checkpointing ``decide`` makes of a config (dict, JSON path or ShardspeedConfig)."""
-    from ..config import ShardspeedConfig, parse_config
-    from ..plan import checkpointing_plan
+    from ..plan import checkpointing_of
 
-    cfg = deepspeed_config if isinstance(deepspeed_config, ShardspeedConfig) else parse_config(deepspeed_config)
-    return checkpointing_plan(cfg)
+    return checkpointing_of(deepspeed_config)
 
 
 def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,

@@ -41,7 +41,7 @@ from ..utils.direct_io import aligned_size
 from ..zero.gather_order import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
-from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, parse, plan_for
+from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, plan_for, state_bytes
 from .states import estimate_model_state_memory
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PeakEstimate", "estimate_peak", "paper_table"]
@@ -156,12 +156,15 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
     ``built_dtype``: the dtype the model is built in. Raises ConfigError for sizes that do not divide, the
     plan's contradictions, or a model with neither a profile nor a shape."""
     prof = spec.activations
-    cfg = parse(config, micro_batch or (prof.micro_batch if prof else 1))  # parsed once
-    if plan is None:
-        plan = plan_for(cfg, world_size, tp=tp, pp=pp, mesh=mesh, zero_init=zero_init)
+    if plan is None:  # the config is read once, by the plan
+        plan = plan_for(config, world_size, tp=tp, pp=pp, mesh=mesh, zero_init=zero_init,
+                        micro_batch=micro_batch or (prof.micro_batch if prof else 1))
+        o_b = state_bytes(plan.optimizer)
     elif world_size not in (1, plan.mesh.world) or tp is not None or pp is not None or mesh is not None:
         raise ConfigError("estimate_peak(plan=...) prices the plan's mesh; leave world_size, tp, pp and mesh out")
-    sizes = _sizes(spec, plan, optimizer_state_bytes(cfg),
+    else:
+        o_b = optimizer_state_bytes(config)
+    sizes = _sizes(spec, plan, o_b,
                    _activations(spec, plan, micro_batch, seq_len, checkpointing, sequence_parallel))
     held, nvme = _held(plan, sizes)
     phases = {"backward": _backward(plan, sizes, held), "step": _step(plan, sizes, held)}

@@ -1,21 +1,18 @@
 """The plan the estimator prices: a config and the sizes the caller gives, decided by :func:`shardspeed.plan.decide`.
 
-The estimator reads nothing of a config's ``zero_optimization``, offload, ``tensor_parallel`` or ``pipeline``
-sections itself: stage, partitioning, placement, precision, buckets, prefetch, batch and mesh are the
-:class:`~shardspeed.plan.Plan`'s, and a contradiction is decide's :class:`~shardspeed.errors.ConfigError`.
-The only config key read here is the optimizer's type (the plan does not say what the optimizer keeps).
+The estimator reads no config itself: stage, partitioning, placement, precision, buckets, prefetch, batch,
+mesh and the optimizer are the :class:`~shardspeed.plan.Plan`'s (or, before a world size is known, the plan
+module's decision of one section: :func:`~shardspeed.plan.sharding_of`, ...), and a contradiction is the
+plan's :class:`~shardspeed.errors.ConfigError`.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
-from ..config import ShardspeedConfig, parse_config
-from ..config.loader import read_json
 from ..errors import ConfigError
-from ..plan import MeshPlan, ModelFacts, Plan, decide, precision_plan, sharding_plan
+from ..plan import MeshPlan, ModelFacts, OptimizerPlan, Plan, decide, optimizer_of, precision_of, sharding_of
 
 #: fp32 optimizer-state bytes per parameter element, by optimizer name (lower case)
 OPTIMIZER_STATE_BYTES: Dict[str, int] = {"adam": 8, "adamw": 8, "lamb": 8, "fusedadam": 8, "cpuadam": 8,
@@ -28,25 +25,6 @@ def precision_keys(dtype: str) -> Dict[str, Any]:
     return {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[dtype]
 
 
-def _with_batch(config: Any, micro_batch: Optional[int]) -> Any:
-    """``config`` with ``train_micro_batch_size_per_gpu`` = ``micro_batch`` (default 1) when it gives no batch
-    size at all (the estimator prices one micro-batch; the engine would refuse such a config); None is
-    DeepSpeed's defaults at micro-batch 1."""
-    if config is None:
-        return {"train_micro_batch_size_per_gpu": 1}
-    if isinstance(config, (str, os.PathLike)):
-        config = read_json(config)
-    if isinstance(config, dict) and all(config.get(k) is None for k in ("train_batch_size",
-                                                                       "train_micro_batch_size_per_gpu")):
-        return {**config, "train_micro_batch_size_per_gpu": micro_batch or 1}
-    return config
-
-
-def parse(config: Any, micro_batch: Optional[int] = None) -> ShardspeedConfig:
-    """A ShardspeedConfig from a dict, a JSON path, a ShardspeedConfig or None (DeepSpeed's defaults)."""
-    return parse_config(_with_batch(config, micro_batch))
-
-
 def plan_for(config: Any = None, world_size: int = 1, *, tp: Optional[int] = None, pp: Optional[int] = None,
              mesh: Optional[MeshPlan] = None, micro_batch: Optional[int] = None, zero_init: bool = False,
              ep: Optional[int] = None) -> Plan:
@@ -54,30 +32,34 @@ def plan_for(config: Any = None, world_size: int = 1, *, tp: Optional[int] = Non
     ``pp`` stages (``ModelFacts.pipeline_stages``); ``tp`` > 1: it is split ``tp`` ways as ``tp_model_init``
     would (``ModelFacts.tp_size``); None or 1 leave both to the config (``pipeline.stages``,
     ``tensor_parallel.autotp_size``). ``mesh``: sizes given from elsewhere (a user's mpu). ``micro_batch``:
-    the micro-batch of a config that gives no batch size. ``zero_init``: the model is built under
-    ``shardspeed.zero.Init`` (stage 3 only). ``ep`` > 1: the model's MoE layers spread their experts over ``ep``
-    ranks (``ModelFacts.ep_size``)."""
+    the micro-batch of a config that gives no batch size (default 1; None is DeepSpeed's defaults at
+    micro-batch 1). ``zero_init``: the model is built under ``shardspeed.zero.Init`` (stage 3 only). ``ep`` > 1:
+    the model's MoE layers spread their experts over ``ep`` ranks (``ModelFacts.ep_size``)."""
     for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     facts = ModelFacts(pipeline_stages=pp if pp is not None and pp > 1 else None,
                        tp_size=tp if tp is not None and tp > 1 else None, built_sharded=zero_init,
                        ep_size=ep if ep is not None and ep > 1 else None)
-    return decide(parse(config, micro_batch), world_size, facts, mesh=mesh)
+    return decide(config, world_size, facts, mesh=mesh, micro_batch=micro_batch or 1)
 
 
 def prefetch_bucket(config: Any) -> int:
     """Stage 3's ``prefetch_bucket_size`` (elements; it bounds a unit's size), as the plan decides it."""
-    return sharding_plan(parse(config), MeshPlan()).prefetch_bucket
+    return sharding_of(config).prefetch_bucket
 
 
 def train_dtype(config: Any) -> torch.dtype:
     """The plan's compute dtype for ``config``."""
-    return precision_plan(parse(config)).compute
+    return precision_of(config).compute
+
+
+def state_bytes(step: OptimizerPlan) -> int:
+    """fp32 optimizer-state bytes per element of the plan's optimizer (AdamW's 8 when it names none)."""
+    name = step.optimizer.type.lower() if step.optimizer is not None else "adamw"
+    return OPTIMIZER_STATE_BYTES.get(name, 8)
 
 
 def optimizer_state_bytes(config: Any) -> int:
     """fp32 optimizer-state bytes per element of the config's optimizer (AdamW's 8 when it names none)."""
-    cfg = parse(config)
-    name = cfg.optimizer.type.lower() if cfg.optimizer is not None else "adamw"
-    return OPTIMIZER_STATE_BYTES.get(name, 8)
+    return state_bytes(optimizer_of(config))

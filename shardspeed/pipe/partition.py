@@ -9,9 +9,7 @@ import re
 from typing import List, Sequence
 
 from ..errors import ConfigError
-
-#: Schedules whose two chunks per rank form a V: rank r runs stages r and 2p - 1 - r.
-V_SCHEDULES = ("zbv", "dualpipev")
+from ..plan import V_SCHEDULES, check_schedule
 
 
 def _check_parts(num_items: int, num_parts: int) -> None:
@@ -98,10 +96,8 @@ def partition_layers(method: str, param_counts: Sequence[int], class_names: Sequ
 def stages_of_rank(pipe_rank: int, pipe_size: int, virtual_stages: int, schedule: str) -> List[int]:
     """The stage indices pipe rank ``pipe_rank`` runs, in chunk order. Looped schedules place stage s on
     rank ``s % p``; V schedules (ZBV, DualPipeV: two chunks) place rank r's chunks at r and 2p - 1 - r."""
+    check_schedule(schedule, virtual_stages)  # the plan's rule (decide checked a pipeline's config with it)
     if schedule in V_SCHEDULES:
-        if virtual_stages != 2:
-            raise ConfigError(f"pipeline.schedule {schedule!r} runs exactly 2 stages per rank (a V); set "
-                              f"pipeline.virtual_stages to 2 (got {virtual_stages})")
         return [pipe_rank, 2 * pipe_size - 1 - pipe_rank]
     return [pipe_rank + i * pipe_size for i in range(virtual_stages)]
 

@@ -8,6 +8,7 @@ from typing import List, Optional
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
 from ..mesh.topology import Topology
+from ..plan import PipelinePlan
 from .module import PipelineModule
 from .partition import rank_of_stage, stages_of_rank
 from .ties import TiedGradients
@@ -27,16 +28,13 @@ class PipeParts:
     tied: Optional[TiedGradients] = None
 
 
-def plan_pipeline(model: PipelineModule, pcfg, topo: Topology, log: CommsLogger) -> PipeParts:
+def plan_pipeline(model: PipelineModule, pipeline: PipelinePlan, topo: Topology, log: CommsLogger) -> PipeParts:
     """This rank's stages for the schedule (rebuilding the module's layers when they differ from the ones
     built at construction) and the pipe group's collectives."""
     if topo.user_mpu is not None:
         raise ConfigError("a PipelineModule with initialize(mpu=...) is not supported: the pipeline engine builds "
                           "its own mesh; drop mpu=")
-    p, v, name = topo.pipe_size, pcfg.chunks_per_rank, pcfg.schedule
-    if name in ("1f1b", "gpipe") and v != 1:
-        raise ConfigError(f"pipeline.schedule {name!r} runs one stage per rank; set pipeline.virtual_stages to 1 "
-                          f"or use \"interleaved_1f1b\"")
+    p, v, name = topo.pipe_size, pipeline.virtual_stages, pipeline.schedule  # checked by the plan
     stage_ids = stages_of_rank(topo.pipe_rank, p, v, name)
     total = p * v
     if model.stage_ids != stage_ids or len(model.parts) - 1 != total:

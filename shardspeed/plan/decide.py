@@ -1,8 +1,9 @@
 """``decide(config, world_size, facts) -> Plan``: every decision about a run, in one pure function.
 
 Pure: it reads the config and the facts it is given, creates no process group and no tensor, so it is
-tested with plain objects. The config is parsed once here; every contradiction between keys, or between
-the config and the model's facts, is a :class:`~shardspeed.errors.ConfigError` naming the keys.
+tested with plain objects. The config is read, parsed and loaded once, here (the builder never sees it);
+every contradiction between keys, or between the config and the model's facts, is a
+:class:`~shardspeed.errors.ConfigError` naming the keys.
 """
 from __future__ import annotations
 
@@ -12,13 +13,21 @@ import torch
 
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
+from .sections import (
+    config_source,
+    experts_plan,
+    optimizer_plan,
+    pipeline_plan,
+    read_given,
+    report_plan,
+    with_micro_batch,
+)
 from .types import (
     BatchPlan,
     CheckpointingPlan,
     LossScalePlan,
     MeshPlan,
     ModelFacts,
-    PipelinePlan,
     PlacementPlan,
     Plan,
     PrecisionPlan,
@@ -32,12 +41,14 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
-           mesh: Optional[MeshPlan] = None) -> Plan:
+           mesh: Optional[MeshPlan] = None, micro_batch: Optional[int] = None) -> Plan:
     """The plan of a run of ``world_size`` ranks. ``config``: a dict, a JSON path or a parsed
-    ``ShardspeedConfig``. ``mesh``: sizes that come from elsewhere (a user's ``mpu``), checked against the
-    config's instead of derived from it."""
+    ``ShardspeedConfig``, read, parsed and loaded here only. ``mesh``: sizes that come from elsewhere (a user's
+    ``mpu``), checked against the config's instead of derived from it. ``micro_batch``: the micro-batch of a
+    config that gives no batch size (the estimator prices one; None: such a config is refused)."""
     facts = facts if facts is not None else ModelFacts()
-    parsed = parse_config(config)
+    given = with_micro_batch(config, micro_batch) if micro_batch is not None else read_given(config)
+    parsed = parse_config(given)
     mesh = _mesh(parsed, world_size, facts, mesh)
     cfg = load_config(parsed, world_size=mesh.batch_world)
     _check(cfg, mesh, facts)
@@ -46,14 +57,16 @@ def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
     return Plan(
         mesh=mesh, sharding=sharding_plan(cfg, mesh, pipelined=facts.pipeline_stages is not None),
         placement=placement_plan(cfg), precision=precision_plan(cfg),
-        batch=BatchPlan(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps),
+        batch=BatchPlan(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                        drop_last=bool(cfg.dataloader_drop_last)),
         checkpointing=checkpointing_plan(cfg),
-        pipeline=PipelinePlan(stages=mesh.pipe, schedule=cfg.pipeline.schedule,
-                              virtual_stages=cfg.pipeline.virtual_stages),
+        pipeline=pipeline_plan(cfg, mesh.pipe, pipelined=facts.pipeline_stages is not None),
         tensor_parallel=TensorParallelPlan(size=mesh.model, preset_model=cfg.tensor_parallel.preset_model,
                                            partition_config=cfg.tensor_parallel.partition_config,
                                            sequence_parallel=bool(cfg.tensor_parallel.sequence_parallel)),
-        save=SavePlan(async_save=bool(cfg.checkpoint.async_save)),
+        save=SavePlan(async_save=bool(cfg.checkpoint.async_save), tag_validation=cfg.checkpoint.tag_validation),
+        optimizer=optimizer_plan(cfg), experts=experts_plan(cfg), report=report_plan(cfg),
+        source=config_source(given, parsed, cfg),
     )
 
 

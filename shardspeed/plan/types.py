@@ -6,12 +6,15 @@ process group or a tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ..mesh.topology import MESH_DIMS, mesh_dims
+
+#: Pipeline schedules whose ranks each run two chunks placed as a V (stage r and 2p - 1 - r).
+V_SCHEDULES: Tuple[str, ...] = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class BatchPlan:
     global_batch: int
     micro_batch: int
     accumulation_steps: int
+    drop_last: bool = False  # the training data loader drops the last incomplete batch
 
 
 @dataclass(frozen=True)
@@ -214,15 +218,17 @@ class SavePlan:
     """Checkpoint saves: ``async_save`` is ``save_checkpoint``'s default (write and commit in the background)."""
 
     async_save: bool = False
+    tag_validation: str = "WARN"  # ranks saving under different tags: "WARN", "IGNORE" or "FAIL"
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """The pipeline schedule (meaningful when the mesh's pipe dimension is > 1 or the model is a pipeline)."""
+    """The pipeline schedule (meaningful when the mesh's pipe dimension is > 1 or the model is a pipeline):
+    ``virtual_stages`` is the stages each pipe rank runs, resolved for the schedule."""
 
     stages: int = 1
     schedule: str = "1f1b"
-    virtual_stages: Any = "auto"
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,139 @@ class TensorParallelPlan:
     preset_model: Optional[str] = None
     partition_config: Any = None
     sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class TypedBlock:
+    """An ``{"type": ..., "params": {...}}`` block of the config: an optimizer or an LR schedule by name."""
+
+    type: str
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """The optimizer step: the optimizer and LR schedule the config names (None: the user's objects, or none:
+    a forward-only engine), and the global gradient norm's clip (0: off)."""
+
+    optimizer: Optional[TypedBlock] = None
+    scheduler: Optional[TypedBlock] = None
+    gradient_clipping: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """AutoEP: ``convert`` replaces the experts of a Hugging Face model's MoE blocks (found by ``preset_model``
+    or ``moe_layer_pattern``, held in ``expert_pattern``) with expert-parallel ones at initialize."""
+
+    convert: bool = False
+    preset_model: Optional[str] = None
+    moe_layer_pattern: Optional[str] = None
+    expert_pattern: Optional[str] = None
+    use_grouped_mm: bool = True
+
+
+@dataclass(frozen=True)
+class CommsLoggerPlan:
+    """What the collectives record: every call (``prof_all``) or those of ``prof_ops`` when ``enabled``, each
+    printed (``verbose``) with its caller (``debug``); byte totals are always kept."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    debug: bool = False
+    prof_ops: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FlopsProfilerPlan:
+    """The step profiler (``enabled``): which step it profiles and what its report shows."""
+
+    enabled: bool = False
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: Optional[str] = None
+    recompute_fwd_factor: float = 0.0
+
+
+@dataclass(frozen=True)
+class LogDirPlan:
+    """A monitor writing files under ``output_path``/``job_name`` (TensorBoard, CSV)."""
+
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class WandbPlan:
+    project: str = "deepspeed"
+    group: Optional[str] = None
+    team: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CometPlan:
+    samples_log_interval: int = 100
+    project: Optional[str] = None
+    workspace: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)
+    experiment_name: Optional[str] = None
+    experiment_key: Optional[str] = None
+    online: Optional[bool] = None
+    mode: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MonitorPlan:
+    """The monitors written to: one plan per enabled monitor, None for the others."""
+
+    tensorboard: Optional[LogDirPlan] = None
+    csv: Optional[LogDirPlan] = None
+    wandb: Optional[WandbPlan] = None
+    comet: Optional[CometPlan] = None
+
+    @property
+    def enabled(self) -> bool:
+        return any(m is not None for m in (self.tensorboard, self.csv, self.wandb, self.comet))
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """An autotuning trial: measure optimizer steps ``start_step``..``end_step``, write the metrics to
+    ``metric_path`` (None: ``autotuning_metric.json`` in the working directory) and exit."""
+
+    start_step: int = 3
+    end_step: int = 5
+    metric_path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    """What the engine reports: a progress line every ``steps_per_print`` steps (with the memory breakdown),
+    timers (``wall_clock_breakdown``), collectives, monitors, the FLOPs profiler and an autotuning trial's
+    window (None: not a trial). ``config_dump``: the resolved config, secrets masked, that rank 0 logs at
+    initialize (``dump_state``; None: not logged)."""
+
+    steps_per_print: Optional[int] = None
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    config_dump: Optional[str] = None
+    comms_logger: CommsLoggerPlan = CommsLoggerPlan()
+    monitors: MonitorPlan = MonitorPlan()
+    flops_profiler: FlopsProfilerPlan = FlopsProfilerPlan()
+    trial: Optional[TrialPlan] = None
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """The config the plan was decided from, for the engine's ``config`` (``given``: the dict given, as
+    DeepSpeed keeps it) and ``shardspeed_config`` (``loaded``: the validated config) properties only: no part
+    reads it, each reads its own decisions."""
+
+    given: Dict[str, Any]
+    loaded: Any
 
 
 @dataclass(frozen=True)
@@ -248,3 +387,7 @@ class Plan:
     pipeline: PipelinePlan
     tensor_parallel: TensorParallelPlan
     save: SavePlan = SavePlan()
+    optimizer: OptimizerPlan = OptimizerPlan()
+    experts: ExpertsPlan = ExpertsPlan()
+    report: ReportPlan = ReportPlan()
+    source: Optional[ConfigSource] = field(default=None, repr=False, compare=False)

@@ -1,8 +1,8 @@
-"""The builder: :func:`shardspeed.plan.decide` decides what the run is; this module assembles its parts."""
+"""One job: the builder, which assembles the engine's parts from what :func:`shardspeed.plan.decide` decided (the
+Plan alone; this module reads no config)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -14,8 +14,6 @@ from ..autotune.probe import build_profile_window
 from ..checkpointing import configure_from_plan
 from ..comm.collectives import Collectives, CommsLogger
 from ..comm.quantize import BlockCodec
-from ..config import ShardspeedConfig, load_config, parse_config
-from ..config.secrets import mask_secrets
 from ..errors import ConfigError
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
@@ -29,7 +27,17 @@ from ..parallel.tp.setup import TP_ARGS_ATTR, setup_tensor_parallel
 from ..pipe.module import PipelineModule
 from ..pipe.plan import plan_pipeline
 from ..pipe.ties import TiedGradients, build_tie_groups
-from ..plan import LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
+from ..plan import (
+    CommsLoggerPlan,
+    FlopsProfilerPlan,
+    LossScalePlan,
+    MeshPlan,
+    ModelFacts,
+    OptimizerPlan,
+    PlacementPlan,
+    Plan,
+    decide,
+)
 from ..precision import build_loss_scaler
 from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
@@ -42,7 +50,6 @@ from ..zero.root import ZeroRoot
 from ..zero.stage3_units import build_stage3_units
 from ..zero.unit import FlatParamUnit
 from .dataloader import build_dataloader
-from .deepspeed_members import config_as_dict
 from .engine import Engine
 from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
 from .forward_engine import ForwardEngine
@@ -104,13 +111,13 @@ def _build_units(params: List[nn.Parameter], bucket_elems: int, world: int, rank
     return units
 
 
-def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimizer) -> Callable[[List[dict]], Any]:
+def _optimizer_factory(step: OptimizerPlan, groups: List[dict], client_optimizer) -> Callable[[List[dict]], Any]:
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
     def make(piece_groups: List[dict]):
         full = [dict(hyper[g.pop("_group")], **g) for g in (dict(x) for x in piece_groups)]
-        if cfg.optimizer is not None:
-            return build_optimizer(cfg.optimizer, full)
+        if step.optimizer is not None:
+            return build_optimizer(step.optimizer, full)
         if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
             return client_optimizer(full)
         return retarget_optimizer(client_optimizer, full)  # the user's object is the one stepped
@@ -118,9 +125,9 @@ def _optimizer_factory(cfg: ShardspeedConfig, groups: List[dict], client_optimiz
     return make
 
 
-def _scheduler(cfg: ShardspeedConfig, optimizer, client_scheduler):
-    if cfg.scheduler is not None:
-        return build_scheduler(cfg.scheduler, optimizer)
+def _scheduler(step: OptimizerPlan, optimizer, client_scheduler):
+    if step.scheduler is not None:
+        return build_scheduler(step.scheduler, optimizer)
     if client_scheduler is None:
         return None
     if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
@@ -129,9 +136,10 @@ def _scheduler(cfg: ShardspeedConfig, optimizer, client_scheduler):
     return client_scheduler
 
 
-def build_comms_logger(cl) -> CommsLogger:
-    """The `comms_logger` block: records, per-call lines (`verbose`), the ops profiled (`prof_all` /
-    `prof_ops`) and callers (`debug`) when `enabled`; the byte totals are always kept."""
+def build_comms_logger(cl: CommsLoggerPlan) -> CommsLogger:
+    """The plan's ``comms_logger`` (or the config's block: the same fields): records, per-call lines
+    (`verbose`), the ops profiled (`prof_all` / `prof_ops`) and callers (`debug`) when `enabled`; the byte
+    totals are always kept."""
     on = bool(cl.enabled)
     return CommsLogger(keep_records=on, verbose=on and bool(cl.verbose), debug=on and bool(cl.debug),
                        ops=None if (cl.prof_all or not on) else cl.prof_ops)
@@ -155,23 +163,19 @@ def build_engine(
     if dist_init_required is not False:
         init_distributed()
     user_topo = _user_topology(mpu)
-    parsed = parse_config(config)  # once: a path is read, and ignored keys warned about, one time
-    plan = decide(parsed, torch.distributed.get_world_size(), model_facts(model),
-                  mesh=MeshPlan(pipe=user_topo.pipe_size, data=user_topo.batch_world, model=user_topo.model_size,
-                                sequence=user_topo.sequence_size)
-                  if user_topo is not None else None)
-    cfg = load_config(parsed, world_size=plan.mesh.batch_world)
-    forward_only = _check_optimizer(cfg, optimizer, lr_scheduler)
+    plan = decide(config, torch.distributed.get_world_size(), model_facts(model), mesh=_given_mesh(user_topo))
+    report = plan.report
+    forward_only = _check_optimizer(plan.optimizer, optimizer, lr_scheduler)
     topo = user_topo or Topology.from_mesh(pipe=plan.mesh.pipe, model=plan.mesh.model, dims=plan.mesh.dims,
                                            sequence=plan.mesh.sequence, expert=plan.mesh.expert)
-    comms_logger = build_comms_logger(cfg.comms_logger)
+    comms_logger = build_comms_logger(report.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
-        pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
+        pipe_plan = plan_pipeline(model, plan.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
     configure_from_plan(plan.checkpointing, model, topo, comms_logger)
-    experts = prepare_experts(model, plan, topo, cfg.expert_parallel, comms_logger)
+    experts = prepare_experts(model, plan, topo, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
     if plan.precision.compute != torch.float32:
@@ -181,29 +185,29 @@ def build_engine(
     comms_logger.reset()
 
     params, group_of = _trained(model, groups, forward_only)
-    timers = Timers(cfg.wall_clock_breakdown, topo.device)
+    timers = Timers(report.wall_clock_breakdown, topo.device)
     zero = _zero_parts(plan, model, params, ties, collectives, topo, timers, experts)
     master = _master_weights(plan, zero, collectives, group_of,
-                             (lambda _groups: None) if forward_only else _optimizer_factory(cfg, groups, optimizer),
-                             forward_only)
+                             (lambda _groups: None) if forward_only
+                             else _optimizer_factory(plan.optimizer, groups, optimizer), forward_only)
     if zero.sharded:
         _link_stage3(zero, master, model)
     parts = EngineParts(
         module=model, topology=topo, collectives=collectives, comms_logger=comms_logger, zero=zero,
         master=master, loss_scaler=_loss_scaler(plan.precision.loss_scale, plan.precision.compute),
-        lr_scheduler=_scheduler(cfg, master.optimizer, lr_scheduler),
+        lr_scheduler=_scheduler(plan.optimizer, master.optimizer, lr_scheduler),
         train_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
-        gradient_accumulation_steps=plan.batch.accumulation_steps, gradient_clipping=float(cfg.gradient_clipping),
+        gradient_accumulation_steps=plan.batch.accumulation_steps, gradient_clipping=plan.optimizer.gradient_clipping,
         zero_stage=plan.sharding.stage, train_dtype=plan.precision.compute, timers=timers,
-        steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
-        memory_breakdown=bool(cfg.memory_breakdown),
-        training_dataloader=_dataloader(cfg, training_data, collate_fn, topo, shuffle=pipe_plan is None), config=cfg,
-        config_dict=config_as_dict(config, parsed),
+        steps_per_print=report.steps_per_print, wall_clock_breakdown=report.wall_clock_breakdown,
+        memory_breakdown=report.memory_breakdown,
+        training_dataloader=_dataloader(plan, training_data, collate_fn, topo, shuffle=pipe_plan is None), plan=plan,
+        config_dict=plan.source.given if plan.source is not None else None, tag_validation=plan.save.tag_validation,
         gather_16bit_weights_on_save=plan.sharding.gather_16bit_weights_on_save, async_save=plan.save.async_save,
-        flops_profiler=_flops_profiler(cfg, model, master.units, topo),
-        monitor=_monitor(cfg, collectives, comms_logger, topo),
+        flops_profiler=_flops_profiler(report.flops_profiler, model, master.units, topo),
+        monitor=_monitor(plan, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,
-        profile_window=build_profile_window(cfg, master.units, topo.device),
+        profile_window=build_profile_window(report.trial, plan.batch, master.units, topo.device),
         world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None,
     )
     engine: Engine
@@ -214,8 +218,8 @@ def build_engine(
         engine = ForwardEngine(parts) if forward_only else Engine(parts)
         check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
     ds_groups.set_topology(topo)
-    if cfg.dump_state and engine.global_rank == 0:
-        logger.info("shardspeed config:\n%s", json.dumps(mask_secrets(cfg.model_dump(mode="json")), indent=2))
+    if report.config_dump is not None and engine.global_rank == 0:
+        logger.info("shardspeed config:\n%s", report.config_dump)
     return engine
 
 
@@ -235,6 +239,14 @@ def _link_stage3(zero: ZeroRoot, master, model: nn.Module) -> None:
     ``engine.optimizer.parameter_offload``)."""
     zero.add_shard_listener(master.refresh_from_shard)
     attach_parameter_offload(master.optimizer, zero, model)
+
+
+def _given_mesh(user_topo: Optional[Topology]) -> Optional[MeshPlan]:
+    """The mesh sizes of a user's groups (``mpu=``), which the plan checks the config against."""
+    if user_topo is None:
+        return None
+    return MeshPlan(pipe=user_topo.pipe_size, data=user_topo.batch_world, model=user_topo.model_size,
+                    sequence=user_topo.sequence_size)
 
 
 def _user_topology(mpu) -> Optional[Topology]:
@@ -258,18 +270,18 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       ep_size=largest_ep_size(model) if has_moe_layers(model)[0] else None)
 
 
-def _check_optimizer(cfg: ShardspeedConfig, optimizer, lr_scheduler) -> bool:
+def _check_optimizer(step: OptimizerPlan, optimizer, lr_scheduler) -> bool:
     """At most one optimizer: the config's block or ``optimizer=``. Returns True when there is none (a
     forward-only engine, as DeepSpeed builds for inference), which then takes no LR schedule."""
-    if cfg.optimizer is None and optimizer is None:
-        if cfg.scheduler is not None or lr_scheduler is not None:
+    if step.optimizer is None and optimizer is None:
+        if step.scheduler is not None or lr_scheduler is not None:
             raise ConfigError("an LR schedule without an optimizer: add an 'optimizer' block to the config (e.g. "
                               "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}) or pass optimizer=, or drop "
                               "the schedule for a forward-only engine")
         return True
-    if cfg.optimizer is not None and optimizer is not None:
+    if step.optimizer is not None and optimizer is not None:
         raise ConfigError(
-            f"two optimizers: the config's 'optimizer' block ({cfg.optimizer.type}) and optimizer= "
+            f"two optimizers: the config's 'optimizer' block ({step.optimizer.type}) and optimizer= "
             f"({type(optimizer).__name__}); keep one"
         )
     return False
@@ -337,10 +349,9 @@ def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogg
     return tp_state, ties, groups
 
 
-def _flops_profiler(cfg: ShardspeedConfig, model: nn.Module, units, topo: Topology):
+def _flops_profiler(fp: FlopsProfilerPlan, model: nn.Module, units, topo: Topology):
     """``flops_profiler.enabled``: the step profiler, counting parameters at their true sizes (stage 3 holds
     placeholders of the shards between gathers)."""
-    fp = cfg.flops_profiler
     if not fp.enabled:
         return None
     from ..profiling.engine_profiler import StepFlopsProfiler
@@ -367,7 +378,7 @@ def _current_parameters(model: nn.Module, model_parameters: Optional[Iterable]) 
     return items
 
 
-def _monitor(cfg: ShardspeedConfig, collectives: Collectives, comms_logger: CommsLogger, topo: Topology):
+def _monitor(plan: Plan, collectives: Collectives, comms_logger: CommsLogger, topo: Topology):
     """The monitors of the ``tensorboard``, ``csv_monitor``, ``wandb`` and ``comet`` blocks (None when none is
     enabled). Every rank checks the optional packages (all fail together, at initialize); only global rank 0
     creates directories, writers and runs."""
@@ -379,29 +390,31 @@ def _monitor(cfg: ShardspeedConfig, collectives: Collectives, comms_logger: Comm
     from ..monitor.tensorboard import TensorBoardMonitor
     from ..monitor.wandb import WandbMonitor
 
-    tb, csv_cfg, wb, comet = cfg.tensorboard, cfg.csv_monitor, cfg.wandb, cfg.comet
-    if not (tb.enabled or csv_cfg.enabled or wb.enabled or comet.enabled):
+    monitors = plan.report.monitors
+    tb, csv, wb, comet = monitors.tensorboard, monitors.csv, monitors.wandb, monitors.comet
+    if not monitors.enabled:
         return None
-    if tb.enabled:
+    if tb is not None:
         require("tensorboard", "tensorboard", "tensorboard")
-    if wb.enabled:
+    if wb is not None:
         require("wandb", "wandb", "wandb")
-    if comet.enabled:
+    if comet is not None:
         require_comet()
     sinks: List[Sink] = []
     if torch.distributed.get_rank() == 0:
-        if tb.enabled:
+        if tb is not None:
             sinks.append(TensorBoardMonitor(tb.output_path, tb.job_name))
-        if wb.enabled:
+        if wb is not None:
             sinks.append(WandbMonitor(wb.project, wb.group, wb.team))
-        if csv_cfg.enabled:
-            sinks.append(CSVMonitor(csv_cfg.output_path, csv_cfg.job_name))
-        if comet.enabled:
+        if csv is not None:
+            sinks.append(CSVMonitor(csv.output_path, csv.job_name))
+        if comet is not None:
             sinks.append(CometMonitor(comet.samples_log_interval, comet.project, comet.workspace, comet.api_key,
                                       comet.experiment_name, comet.experiment_key, comet.online, comet.mode))
     return StepEvents(MonitorMaster(sinks, enabled=True), collectives=collectives, comms_logger=comms_logger,
                       device=topo.device, world_size=torch.distributed.get_world_size(),
-                      write_loss_scale=bool(cfg.fp16.enabled), write_timers=bool(cfg.wall_clock_breakdown))
+                      write_loss_scale=plan.precision.loss_scale.enabled,
+                      write_timers=plan.report.wall_clock_breakdown)
 
 
 def _shard_placement(placement: PlacementPlan, rank: int) -> Callable[[], ShardPlacement]:
@@ -425,9 +438,9 @@ def _loss_scaler(ls: LossScalePlan, compute: torch.dtype):
     )
 
 
-def _dataloader(cfg, training_data, collate_fn, topo: Topology, shuffle: bool):
+def _dataloader(plan: Plan, training_data, collate_fn, topo: Topology, shuffle: bool):
     """``training_data``'s loader; a pipeline's is in order, as DeepSpeed's PipelineEngine reads it."""
     if training_data is None:
         return None
-    return build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, topo, collate_fn=collate_fn,
-                            drop_last=bool(getattr(cfg, "dataloader_drop_last", False)), shuffle=shuffle)
+    return build_dataloader(training_data, plan.batch.micro_batch, topo, collate_fn=collate_fn,
+                            drop_last=plan.batch.drop_last, shuffle=shuffle)

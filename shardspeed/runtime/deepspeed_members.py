@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import TYPE_CHECKING, Any, Container, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Container, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from .compat_links import link_engine
 from .state_offload import StateOffload
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import ShardspeedConfig
+    from ..plan import Plan
     from .parts import EngineParts
 
 ENGINE_NAME = "deepspeed.runtime.engine.DeepSpeedEngine"
@@ -91,18 +91,6 @@ def missing_member(name: str) -> Optional[NotProvidedError]:
     return not_provided(f"{ENGINE_NAME}.{name}") if name in DEEPSPEED_ENGINE_MEMBERS else None
 
 
-def config_as_dict(config: Any, parsed: ShardspeedConfig) -> Dict[str, Any]:
-    """``engine.config`` as DeepSpeed keeps it: the dict given to ``initialize`` (the same object), a JSON file's
-    contents, or the keys set on a ``ShardspeedConfig``."""
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        from ..config.loader import read_json
-
-        return read_json(config)
-    return parsed.model_dump(mode="json", by_alias=True, exclude_unset=True)
-
-
 class DeepSpeedMembers:
     """DeepSpeedEngine's members over the engine's parts (``self._p``): a mixin of :class:`Engine`."""
 
@@ -145,9 +133,16 @@ class DeepSpeedMembers:
             self.optimizer.overflow = bool(overflow)
 
     @property
-    def shardspeed_config(self) -> Optional[ShardspeedConfig]:
-        """The validated config (``engine.config`` is the dict given, as DeepSpeed's)."""
-        return self._p.config
+    def shardspeed_config(self) -> Any:
+        """The validated ``ShardspeedConfig`` (``engine.config`` is the dict given, as DeepSpeed's): for reading
+        only; the engine's parts were built from the plan decided of it."""
+        source = self._p.plan.source if self._p.plan is not None else None
+        return source.loaded if source is not None else None
+
+    def _plan(self) -> Plan:
+        plan = self._p.plan
+        assert plan is not None, "an engine built by shardspeed.initialize has its plan"
+        return plan
 
     # ---- ranks and groups ----------------------------------------------------------------------------
     @property
@@ -211,21 +206,21 @@ class DeepSpeedMembers:
         return self._p.zero_stage >= 3
 
     def _zero_block(self) -> Any:
-        cfg = self._p.config
+        cfg = self.shardspeed_config
         return cfg.zero_optimization if cfg is not None else None
 
     def zero_offload_optimizer(self) -> Any:
-        """The ``offload_optimizer`` block (``.device``, ``.pin_memory``, ...) or None, as DeepSpeed's."""
+        """The config's ``offload_optimizer`` block (``.device``, ``.pin_memory``, ...) or None, as DeepSpeed's."""
         z = self._zero_block()
         return z.offload_optimizer if z is not None else None
 
     def zero_offload_param(self) -> Any:
+        """The config's ``offload_param`` block or None, as DeepSpeed's."""
         z = self._zero_block()
         return z.offload_param if z is not None else None
 
     def zero_cpu_offload(self) -> bool:
-        block = self.zero_offload_optimizer()
-        return block is not None and str(block.device) == "cpu"
+        return self._plan().placement.optimizer == "host"
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self._p.gather_16bit_weights_on_save)
@@ -240,8 +235,7 @@ class DeepSpeedMembers:
         return bool(self._p.wall_clock_breakdown)
 
     def dataloader_drop_last(self) -> bool:
-        cfg = self._p.config
-        return bool(cfg.dataloader_drop_last) if cfg is not None else False
+        return self._plan().batch.drop_last
 
     def dynamic_loss_scale(self) -> bool:
         return bool(getattr(self._p.loss_scaler, "dynamic", False))
@@ -249,8 +243,7 @@ class DeepSpeedMembers:
     def loss_scale(self) -> float:
         """The configured static fp16 loss scale, 0 for dynamic scaling (DeepSpeed's ``loss_scale()``); the
         scale in use now is ``cur_scale``."""
-        cfg = self._p.config
-        return float(cfg.fp16.loss_scale) if cfg is not None else 0.0
+        return self._plan().precision.loss_scale.static_scale
 
     @property
     def cur_scale(self) -> float:
@@ -258,15 +251,14 @@ class DeepSpeedMembers:
         return float(self._p.loss_scaler.scale)
 
     def optimizer_name(self) -> Optional[str]:
-        cfg = self._p.config
-        if cfg is not None and cfg.optimizer is not None:  # DeepSpeed's own optimizers' names in lower case
-            known = cfg.optimizer.type.lower() in _DEEPSPEED_OPTIMIZERS
-            return cfg.optimizer.type.lower() if known else cfg.optimizer.type
+        block = self._plan().optimizer.optimizer
+        if block is not None:  # DeepSpeed's own optimizers' names in lower case
+            return block.type.lower() if block.type.lower() in _DEEPSPEED_OPTIMIZERS else block.type
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
     def scheduler_name(self) -> Optional[str]:
-        cfg = self._p.config
-        return cfg.scheduler.type if cfg is not None and cfg.scheduler is not None else None
+        block = self._plan().optimizer.scheduler
+        return block.type if block is not None else None
 
     # ---- the step's state ------------------------------------------------------------------------------
     def get_mom(self) -> List[Any]:
@@ -350,8 +342,7 @@ class DeepSpeedMembers:
                        non_blocking: bool = False) -> None:
         """Move optimizer states, fp32 master weights and gradient buffers off the device (see
         :mod:`shardspeed.runtime.state_offload`); :meth:`reload_states` brings them back."""
-        block = self.zero_offload_param()
-        if block is not None and str(block.device) != "none":
+        if self._plan().placement.params != "device":
             raise ShardspeedError("offload_states() with offload_param: the parameters are offloaded already; "
                                   "moving states is not supported then (as in DeepSpeed)")
         if self.optimizer is None:

@@ -388,7 +388,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             module=self.module, master=p.master, collectives=p.collectives, zero_stage=p.zero_stage,
             train_dtype=p.train_dtype, counters=counters, lr_scheduler=as_stateful(self.lr_scheduler),
             loss_scaler=as_stateful(p.loss_scaler), dataloader=LoaderPosition(self.training_dataloader, counters),
-            rng=RNGState(), param_manager=self.param_manager, async_saves=p.async_saves,
+            rng=RNGState(), param_manager=self.param_manager, async_saves=p.async_saves, tag_validation=p.tag_validation,
             gather_16bit_weights_on_save=p.gather_16bit_weights_on_save, coordination=p.world_collectives,
         )
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 from ..comm.collectives import Collectives, CommsLogger
-from ..config.expert import ExpertParallelConfig
 from ..errors import ConfigError
 from ..mesh.topology import Topology
 from ..moe.autoep import convert_model
@@ -40,13 +39,12 @@ class ExpertParts:
         return self.comm is not None and is_moe_param(p) and getattr(p, "group_name", None) == self.group_name
 
 
-def prepare_experts(model: nn.Module, plan: Plan, topo: Topology, autoep: ExpertParallelConfig,
-                    log: CommsLogger) -> ExpertParts:
-    """Collective when the mesh has an expert dimension: AutoEP's conversion (``expert_parallel.enabled``),
+def prepare_experts(model: nn.Module, plan: Plan, topo: Topology, log: CommsLogger) -> ExpertParts:
+    """Collective when the mesh has an expert dimension: AutoEP's conversion (``plan.experts.convert``),
     every ``MoE`` layer given the expert group and the experts it holds."""
     ep = plan.mesh.expert
-    if autoep.enabled:
-        convert_model(model, autoep, topo.expert_group, topo.expert_rank, ep)
+    if plan.experts.convert:
+        convert_model(model, plan.experts, topo.expert_group, topo.expert_rank, ep)
     for m in model.modules():
         if isinstance(m, MoE):
             if m.ep_size not in (1, ep):

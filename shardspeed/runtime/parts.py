@@ -19,9 +19,9 @@ from ..zero.root import ZeroRoot
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..autotune.probe import ProfileWindow
-    from ..config import ShardspeedConfig
     from ..monitor.step_events import StepEvents
     from ..parallel.tp.inputs import InputConsistencyCheck
+    from ..plan import Plan
     from ..profiling.engine_profiler import StepFlopsProfiler
 
 
@@ -49,7 +49,7 @@ class EngineParts:
     memory_breakdown: bool = False  # each steps_per_print line logs engine.memory_breakdown()
     training_dataloader: Optional[Iterable] = None
     gather_16bit_weights_on_save: bool = False  # stage 3: save_16bit_model gathers the units
-    config: Optional[ShardspeedConfig] = None  # kept for checkpoints and introspection only; never branched on
+    plan: Optional[Plan] = None  # the plan the parts were built from: DeepSpeed's getters answer from it
     config_dict: Optional[Dict[str, Any]] = None  # engine.config: the config as given (DeepSpeed's engine.config)
     flops_profiler: Optional[StepFlopsProfiler] = None  # flops_profiler.enabled
     monitor: Optional[StepEvents] = None  # a monitor block is enabled
@@ -59,6 +59,7 @@ class EngineParts:
     #: checkpoint); None when the data group is the checkpoint's world
     world_collectives: Optional[Collectives] = None
     async_save: bool = False  # checkpoint.async_save: save_checkpoint's default
+    tag_validation: str = "WARN"  # checkpoint.tag_validation: ranks saving under different tags
     async_saves: AsyncSaves = field(default_factory=AsyncSaves)  # the save in flight, its writer group
 
 

@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ...config.secrets import mask_secrets
-from ...config.zero import zero_block
 from ...errors import CheckpointError
+from ...plan import tile_elems_of
+from ...utils.secrets import mask_secrets
 from ..commit import check_tag, read_latest, resolve
 from ..format import NAME_TO_DTYPE, ShardReader, write_bytes_atomic
 from ..metadata import WEIGHT, CheckpointMetadata
@@ -307,7 +307,7 @@ def export_deepspeed(load_dir: str, save_dir: str, world: int, stage: int, tag: 
     ours = _Ours(load_dir, tag, trust_pickles)
     ours.ds_config = ds_config
     if sub_group_size is None:
-        sub_group_size = int(zero_block(ds_config).sub_group_size)
+        sub_group_size = tile_elems_of(ds_config)
     name = dtype or ours.meta.train_dtype
     tdtype = NAME_TO_DTYPE.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name))
     if tdtype is None:
