@@ -17,9 +17,10 @@ from ..comm.quantize import BlockCodec
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..config.secrets import mask_secrets
 from ..errors import ConfigError
+from ..mesh.current import CURRENT, EngineScope
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
-from ..mesh.topology import TOPOLOGIES, Topology
+from ..mesh.topology import Topology, TopologyRegistry
 from ..moe.utils import has_moe_layers, largest_ep_size
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
@@ -31,7 +32,6 @@ from ..pipe.plan import plan_pipeline
 from ..pipe.ties import TiedGradients, build_tie_groups
 from ..plan import LossScalePlan, MeshPlan, ModelFacts, PlacementPlan, Plan, decide
 from ..precision import build_loss_scaler
-from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
@@ -170,7 +170,8 @@ def build_engine(
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
-    configure_from_plan(plan.checkpointing, model, topo, comms_logger)
+    scope = EngineScope(topo, (configure_from_plan(plan.checkpointing, model, topo, comms_logger),
+                               CURRENT.scope().part(TopologyRegistry)))  # what utils.groups, checkpointing see
     experts = prepare_experts(model, plan, topo, cfg.expert_parallel, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
@@ -204,7 +205,7 @@ def build_engine(
         monitor=_monitor(cfg, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,
         profile_window=build_profile_window(cfg, master.units, topo.device),
-        world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None,
+        world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None, scope=scope,
     )
     engine: Engine
     if pipe_plan is not None:
@@ -213,7 +214,7 @@ def build_engine(
     else:
         engine = ForwardEngine(parts) if forward_only else Engine(parts)
         check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
-    ds_groups.set_topology(topo)
+    CURRENT.register(scope)  # the current engine until destroy()
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", json.dumps(mask_secrets(cfg.model_dump(mode="json")), indent=2))
     return engine
@@ -294,7 +295,7 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         return timers("backward_allreduce")
 
     if sh.partition_parameters:
-        node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
+        node = CURRENT.scope().part(TopologyRegistry).node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
         units, manager = build_stage3_units(model, sh, collectives, topo.dp_rank,
                                             placement=_shard_placement(plan.placement, topo.dp_rank),
                                             secondary=Collectives.over(node, collectives.log) if node else None,

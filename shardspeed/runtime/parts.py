@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..checkpoint.async_save import AsyncSaves
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
+from ..mesh.current import EngineScope
 from ..mesh.topology import Topology
 from ..monitor.timers import Timers
 from ..optim.schedules import SchedulerLike
@@ -62,6 +63,7 @@ class EngineParts:
     world_collectives: Optional[Collectives] = None
     async_save: bool = False  # checkpoint.async_save: save_checkpoint's default
     async_saves: AsyncSaves = field(default_factory=AsyncSaves)  # the save in flight, its writer group
+    scope: EngineScope = field(default_factory=EngineScope)  # what DeepSpeed's module-level functions see of it
 
 
 def move_inputs(obj, device: torch.device, dtype: torch.dtype):

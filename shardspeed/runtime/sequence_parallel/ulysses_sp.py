@@ -30,7 +30,7 @@ import torch.nn as nn
 from ...errors import ConfigError
 from ...mesh.init import init_distributed
 from ...mesh.mpu import MeshMPU
-from ...mesh.topology import TOPOLOGIES
+from ...mesh.topology import Topology
 from ...parallel.sp import (
     SequenceTiledCompute,
     TiledFusedLogitsLoss,
@@ -58,7 +58,7 @@ def sequence_parallel_mpu(sequence_parallel_size: int) -> MeshMPU:
     an mpu for ``initialize(mpu=...)``; the same groups ``initialize`` builds from the config key (collective)."""
     init_distributed()
     dims = tuple(d for d in MESH_DIMS if d in ("pipe", "data", "sequence", "model"))
-    return MeshMPU(TOPOLOGIES.mesh(1, 1, dims, int(sequence_parallel_size)))
+    return MeshMPU(Topology.from_mesh(dims=dims, sequence=int(sequence_parallel_size)))
 
 
 class UlyssesSPAttentionHF(nn.Module):

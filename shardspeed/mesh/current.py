@@ -1,0 +1,97 @@
+"""The current engine: the one piece of process-wide state shardspeed keeps (:data:`CURRENT`).
+
+DeepSpeed's module-level functions take no engine: ``deepspeed.utils.groups.get_data_parallel_rank()``,
+``deepspeed.checkpointing.checkpoint(block, x)``. They answer for the engine that is current in the process,
+as torch.distributed's functions answer for the default process group. Everything else receives what it
+needs explicitly (an engine holds its own topology, its own activation checkpointing), so engines with
+different meshes live side by side; this module only says which of them the module-level functions speak for.
+
+Each engine registers an :class:`EngineScope` when it is built (the builder) and removes it in
+``engine.destroy()``: its topology and the parts the module-level functions act on (its
+``ActivationCheckpointing``; the meshes it shares with the engines alive beside it, so that a later engine
+of the same mesh reuses their process groups). The current engine is the most recently built one not yet
+destroyed; ``with CURRENT.using(scope):`` selects another for a block. With no engine alive, the
+functions act on the *before* scope: what a script sets up before ``initialize`` (Megatron-style
+``deepspeed.checkpointing.configure(...)``, a mesh built by ``sequence_parallel_mpu``), which the first
+engine built takes over.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Type, TypeVar, cast
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .topology import Topology
+
+T = TypeVar("T")
+
+
+class EngineScope:
+    """What DeepSpeed's module-level functions see of one engine: its topology (None: no engine, the
+    *before* scope) and its parts they act on, one object per class."""
+
+    def __init__(self, topology: Optional[Topology] = None, parts: Iterable[Any] = ()) -> None:
+        self.topology = topology
+        self._parts: Dict[type, Any] = {type(p): p for p in parts}
+
+    def part(self, cls: Type[T]) -> T:
+        """This scope's ``cls`` object, made (``cls()``) on first use."""
+        if cls not in self._parts:
+            self._parts[cls] = cls()
+        return cast(T, self._parts[cls])
+
+    def find(self, cls: Type[T]) -> Optional[T]:
+        """This scope's ``cls`` object, or None when it has none."""
+        return cast(Optional[T], self._parts.get(cls))
+
+    def close(self) -> None:
+        """The engine is destroyed: the module-level functions no longer answer for it (``engine.destroy()``)."""
+        CURRENT.unregister(self)
+
+
+class CurrentEngine:
+    """Which engine DeepSpeed's module-level functions answer for: the engines alive (registered, not
+    destroyed) in build order, the last one current; the *before* scope while none is alive."""
+
+    def __init__(self) -> None:
+        self._alive: List[EngineScope] = []
+        self._before = EngineScope()
+
+    def get(self) -> Optional[EngineScope]:
+        """The current engine's scope; None when no engine is alive."""
+        return self._alive[-1] if self._alive else None
+
+    def scope(self) -> EngineScope:
+        """The current engine's scope, else the *before* scope (set up before any engine)."""
+        return self._alive[-1] if self._alive else self._before
+
+    def alive(self) -> List[EngineScope]:
+        """The scopes of the engines alive, most recent last."""
+        return list(self._alive)
+
+    def register(self, scope: EngineScope) -> None:
+        """``scope``'s engine is built: it is current from now on. The first engine alive takes over what the
+        *before* scope held (the builder gave its parts to it), which starts empty again."""
+        if not self._alive:
+            self._before = EngineScope()
+        self._alive.append(scope)
+
+    def unregister(self, scope: EngineScope) -> None:
+        """``scope``'s engine is destroyed: the engine built before it (still alive) is current again. Idempotent."""
+        self._alive = [s for s in self._alive if s is not scope]
+
+    @contextlib.contextmanager
+    def using(self, scope: EngineScope) -> Iterator[EngineScope]:
+        """``scope`` is current in the block; the current one before it again after."""
+        self._alive.append(scope)
+        try:
+            yield scope
+        finally:
+            for i in range(len(self._alive) - 1, -1, -1):
+                if self._alive[i] is scope:
+                    del self._alive[i]
+                    break
+
+
+#: The process's current engine: the one holder of process-wide state in shardspeed (see the module's docstring).
+CURRENT = CurrentEngine()
