@@ -170,8 +170,7 @@ def build_engine(
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, cfg.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
-    scope = EngineScope(topo, (configure_from_plan(plan.checkpointing, model, topo, comms_logger),
-                               CURRENT.scope().part(TopologyRegistry)))  # what utils.groups, checkpointing see
+    scope = _scope(plan, model, topo, comms_logger)  # what utils.groups and checkpointing see of the engine
     experts = prepare_experts(model, plan, topo, cfg.expert_parallel, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
@@ -218,6 +217,13 @@ def build_engine(
     if cfg.dump_state and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", json.dumps(mask_secrets(cfg.model_dump(mode="json")), indent=2))
     return engine
+
+
+def _scope(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger) -> EngineScope:
+    """What DeepSpeed's module-level functions (utils.groups, checkpointing) see of the new engine: its topology,
+    its activation checkpointing (configured from the plan), the meshes it shares with the engines alive."""
+    return EngineScope(topo, (configure_from_plan(plan.checkpointing, model, topo, log),
+                              CURRENT.scope().part(TopologyRegistry)))
 
 
 def _trained(model: nn.Module, groups, forward_only: bool):
