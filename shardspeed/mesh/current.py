@@ -13,7 +13,7 @@ of the same mesh reuses their process groups). The current engine is the most re
 destroyed; ``with CURRENT.using(scope):`` selects another for a block. With no engine alive, the
 functions act on the *before* scope: what a script sets up before ``initialize`` (Megatron-style
 ``deepspeed.checkpointing.configure(...)``, a mesh built by ``sequence_parallel_mpu``), which the first
-engine built takes over.
+engine built takes over. The ``zero.Init`` contexts open (for the engine to be built) are kept here too.
 """
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ class CurrentEngine:
     def __init__(self) -> None:
         self._alive: List[EngineScope] = []
         self._before = EngineScope()
+        #: the ``zero.Init`` contexts open, innermost last: DeepSpeed's ``zero.Init`` is the engine-to-be's
+        #: module-level context (a parameter created inside is sharded, whichever engine will hold it)
+        self.inits: List[Any] = []
 
     def get(self) -> Optional[EngineScope]:
         """The current engine's scope; None when no engine is alive."""

@@ -6,6 +6,7 @@ the config and the model's facts, is a :class:`~shardspeed.errors.ConfigError` n
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -28,7 +29,7 @@ from .types import (
     ZeroPlusPlan,
 )
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
 
 
 def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
