@@ -6,7 +6,8 @@ meshes, data 4 (ZeRO 2) and data 2 × model 2 (``tensor_parallel.autotp_size`` 2
 alternately. Each equals, exactly (fp32), its own run as the only engine of the same process group.
 DeepSpeed's module-level functions (``shardspeed.utils.groups``) answer for the current engine: the last
 built, another inside ``using(engine)``, the one built before it again after its ``destroy()``; once every
-engine is destroyed they fail with one line. One world-4 process group checks every case.
+engine is destroyed they fail with one line. The meshes' groups are built once: shared by the engines alive,
+kept for the next engine after the last is destroyed. One world-4 process group checks every case.
 """
 from __future__ import annotations
 
@@ -74,10 +75,14 @@ def _cases() -> dict:
     from shardspeed.mesh.topology import Topology
 
     alone: dict = {}
+    topologies = {}
     for name in ("dp", "tp", "ref"):  # each the only engine of the process group, destroyed after
         engine = _build(name)
         alone[name] = {"losses": [_use(engine, name, x, y) for x, y in tp_batches(STEPS)], "params": _params(engine)}
+        topologies[name] = engine.topology
         engine.destroy()
+    # the meshes' groups outlive the engines: ref's data-4 mesh is the one dp built, kept after its destroy()
+    mesh_kept = topologies["ref"] is topologies["dp"] and topologies["tp"] is not topologies["dp"]
     alone["policy"] = alone["dp"]
     together: dict = {}
     # (a) TRL: a policy trained and a reference model asked, by turns
@@ -89,7 +94,7 @@ def _cases() -> dict:
     pair = _together(("dp", "tp"), together)
     params.update({name: _params(e) for name, e in pair.items()})
     dp, tp = pair["dp"], pair["tp"]
-    seen = {"latest": _groups()}
+    seen = {"latest": _groups(), "mesh_kept": mesh_kept}
     with groups.using(dp):
         seen["using_dp"] = _groups()
     seen["after_using"] = _groups()
@@ -119,7 +124,7 @@ def test_two_engines_in_one_process_each_as_alone():
         assert all(torch.equal(v, fresh[n].detach()) for n, v in alone["ref"]["params"].items())  # forward only
         seen = res["groups"]
         assert seen["latest"] == (2, 2) and seen["using_dp"] == (4, 1) and seen["after_using"] == (2, 2), seen
-        assert seen["mesh_shared"] and seen["after_tp_destroyed"] == (4, 1), seen
+        assert seen["mesh_shared"] and seen["mesh_kept"] and seen["after_tp_destroyed"] == (4, 1), seen
         assert "no engine yet, or every engine was destroyed" in seen["after_all_destroyed"], seen
         assert "\n" not in seen["after_all_destroyed"]
     # the engines differ: the reference model is not the policy, the two meshes' engines are not one

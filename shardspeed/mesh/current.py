@@ -9,8 +9,8 @@ different meshes live side by side; this module only says which of them the modu
 Each engine registers an :class:`EngineScope` when it is built (the builder) and removes it in
 ``engine.destroy()``: its topology and the parts the module-level functions act on (its
 ``ActivationCheckpointing``; the meshes it shares with the engines alive beside it, so that a later engine
-of the same mesh reuses their process groups). The current engine is the most recently built one not yet
-destroyed; ``with CURRENT.using(scope):`` selects another for a block. With no engine alive, the
+of the same mesh reuses their process groups, also after the last engine alive is destroyed). The current
+engine is the most recently built one not yet destroyed; ``with CURRENT.using(scope):`` selects another for a block. With no engine alive, the
 functions act on the *before* scope: what a script sets up before ``initialize`` (Megatron-style
 ``deepspeed.checkpointing.configure(...)``, a mesh built by ``sequence_parallel_mpu``), which the first
 engine built takes over. The ``zero.Init`` contexts open (for the engine to be built) are kept here too.
@@ -40,9 +40,18 @@ class EngineScope:
             self._parts[cls] = cls()
         return cast(T, self._parts[cls])
 
+    def adopt(self, part: Any) -> None:
+        """Hold ``part`` as this scope's object of its class, unless it has one."""
+        self._parts.setdefault(type(part), part)
+
     def find(self, cls: Type[T]) -> Optional[T]:
         """This scope's ``cls`` object, or None when it has none."""
         return cast(Optional[T], self._parts.get(cls))
+
+    def lasting(self) -> List[Any]:
+        """The parts that outlive the engine (their class sets ``OUTLIVES_ENGINE``: the meshes' process groups,
+        which a later engine reuses)."""
+        return [p for p in self._parts.values() if getattr(p, "OUTLIVES_ENGINE", False)]
 
     def close(self) -> None:
         """The engine is destroyed: the module-level functions no longer answer for it (``engine.destroy()``)."""
@@ -80,8 +89,14 @@ class CurrentEngine:
         self._alive.append(scope)
 
     def unregister(self, scope: EngineScope) -> None:
-        """``scope``'s engine is destroyed: the engine built before it (still alive) is current again. Idempotent."""
+        """``scope``'s engine is destroyed: the engine built before it (still alive) is current again; after the
+        last one, the *before* scope keeps what outlives an engine (:meth:`EngineScope.lasting`). Idempotent."""
+        if not any(s is scope for s in self._alive):
+            return
         self._alive = [s for s in self._alive if s is not scope]
+        if not self._alive:
+            for part in scope.lasting():
+                self._before.adopt(part)
 
     @contextlib.contextmanager
     def using(self, scope: EngineScope) -> Iterator[EngineScope]:

@@ -246,9 +246,12 @@ class TopologyRegistry:
     them: their groups died with the old one.
 
     No registry is the process's: the engines alive share one (their :class:`~.current.EngineScope` holds
-    it; the first engine takes over the one built before it), and ``Topology.from_mesh(...,
-    registry=TopologyRegistry())`` shares nothing.
+    it; the first engine takes over the one built before it or kept after the last engine was destroyed),
+    and ``Topology.from_mesh(..., registry=TopologyRegistry())`` shares nothing.
     """
+
+    #: kept after the last engine alive is destroyed, for the next (:meth:`~.current.EngineScope.lasting`)
+    OUTLIVES_ENGINE = True
 
     def __init__(self) -> None:
         self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
