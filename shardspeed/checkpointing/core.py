@@ -91,6 +91,7 @@ class ActivationCheckpointing:
         """A new engine's: this one's RNG tracker (the process's model-parallel streams, seeded once), and its
         settings and group when configured (a ``configure`` before ``initialize`` survives a config without
         the block, as one engine's does for the next)."""
+        self.reset()  # the contiguous buffers: one engine's in use at a time, the current one's (as before)
         nxt = ActivationCheckpointing()
         nxt.tracker = self.tracker
         if self.configured:

@@ -55,7 +55,8 @@ def selective_contexts() -> Tuple[ContextManager, ContextManager]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-CONTEXTS: Mapping[str, Callable[[], Tuple[ContextManager, ContextManager]]] = MappingProxyType({"selective": selective_contexts})
+CONTEXTS: Mapping[str, Callable[[], Tuple[ContextManager, ContextManager]]] = MappingProxyType(
+    {"selective": selective_contexts})
 
 
 def policy_contexts(policy: str) -> Callable[[], Tuple[ContextManager, ContextManager]] | None:

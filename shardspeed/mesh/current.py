@@ -9,11 +9,12 @@ different meshes live side by side; this module only says which of them the modu
 Each engine registers an :class:`EngineScope` when it is built (the builder) and removes it in
 ``engine.destroy()``: its topology and the parts the module-level functions act on (its
 ``ActivationCheckpointing``; the meshes it shares with the engines alive beside it, so that a later engine
-of the same mesh reuses their process groups, also after the last engine alive is destroyed). The current
-engine is the most recently built one not yet destroyed; ``with CURRENT.using(scope):`` selects another for a block. With no engine alive, the
-functions act on the *before* scope: what a script sets up before ``initialize`` (Megatron-style
-``deepspeed.checkpointing.configure(...)``, a mesh built by ``sequence_parallel_mpu``), which the first
-engine built takes over. The ``zero.Init`` contexts open (for the engine to be built) are kept here too.
+of the same mesh reuses their process groups, also after the last engine alive is destroyed). The
+current engine is the most recently built one not yet destroyed; ``with CURRENT.using(scope):`` selects
+another for a block. With no engine alive, the functions act on the *before* scope: what a script sets up
+before ``initialize`` (Megatron-style ``deepspeed.checkpointing.configure(...)``, a mesh built by
+``sequence_parallel_mpu``), which the first engine built takes over. The ``zero.Init`` contexts open (for the
+engine to be built) are kept here too.
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ offload adds is *where* the kernel runs: on tiles of the flat master chunk, in a
 :func:`adam_step` is the single entry point: the same math as ``torch.optim.AdamW(fused=True)`` /
 ``torch.optim.Adam(fused=True)`` (bit-identical on the same tensors), so an offloaded run matches the
 run without offload. ``threads > 1`` splits a tile into chunks stepped from a thread pool (torch ops
-release the GIL; the pool is the stepping object's: :class:`CPUAdam`'s, the offloaded masters') — measured no faster than the kernel's own threading on this 2-core box, kept as an
-option for hosts where intra-op threading is disabled.
+release the GIL; the pool is the stepping object's: :class:`CPUAdam`'s, the offloaded masters') — measured
+no faster than the kernel's own threading on this 2-core box, kept as an option for hosts where intra-op
+threading is disabled.
 """
 from __future__ import annotations
 
