@@ -7,7 +7,8 @@ alternately. Each equals, exactly (fp32), its own run as the only engine of the 
 DeepSpeed's module-level functions (``shardspeed.utils.groups``) answer for the current engine: the last
 built, another inside ``using(engine)``, the one built before it again after its ``destroy()``; once every
 engine is destroyed they fail with one line. The meshes' groups are built once: shared by the engines alive,
-kept for the next engine after the last is destroyed. One world-4 process group checks every case.
+kept for the next engine after the last is destroyed. ``shardspeed.checkpointing.configure`` called before any
+engine (Megatron-style) is taken over by the first. One world-4 process group checks every case.
 """
 from __future__ import annotations
 
@@ -70,14 +71,19 @@ def _groups() -> tuple:
 
 
 def _cases() -> dict:
+    import shardspeed.checkpointing as ck
     import shardspeed.utils.groups as groups
     from shardspeed.errors import ShardspeedError
     from shardspeed.mesh.topology import Topology
 
+    ck.configure(None, num_checkpoints=3)  # Megatron-style, before any engine: the first engine takes it over
+    tracker = ck.get_cuda_rng_tracker()
     alone: dict = {}
     topologies = {}
     for name in ("dp", "tp", "ref"):  # each the only engine of the process group, destroyed after
         engine = _build(name)
+        if name == "dp":  # its config has no activation_checkpointing block: the configure() before survives
+            taken_over = ck.settings().number_checkpoints == 3 and ck.get_cuda_rng_tracker() is tracker
         alone[name] = {"losses": [_use(engine, name, x, y) for x, y in tp_batches(STEPS)], "params": _params(engine)}
         topologies[name] = engine.topology
         engine.destroy()
@@ -102,6 +108,7 @@ def _cases() -> dict:
     tp.destroy()
     seen["after_tp_destroyed"] = _groups()
     dp.destroy()
+    seen["checkpointing"] = taken_over, ck.is_configured()  # after the last destroy(): as before any engine
     try:
         groups.get_data_parallel_rank()
         seen["after_all_destroyed"] = None
@@ -127,5 +134,6 @@ def test_two_engines_in_one_process_each_as_alone():
         assert seen["mesh_shared"] and seen["mesh_kept"] and seen["after_tp_destroyed"] == (4, 1), seen
         assert "no engine yet, or every engine was destroyed" in seen["after_all_destroyed"], seen
         assert "\n" not in seen["after_all_destroyed"]
+        assert seen["checkpointing"] == (True, False), seen
     # the engines differ: the reference model is not the policy, the two meshes' engines are not one
     assert results[0]["together"]["ref"] != results[0]["together"]["policy"]
