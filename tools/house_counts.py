@@ -243,8 +243,11 @@ def module_state() -> List[str]:
                 targets, value = [node.target], node.value
             else:
                 continue
-            names = [t.id for t in targets if isinstance(t, ast.Name)]
-            if not names or not _is_mutable(value, immutable):
+            pairs = [(t, value) for t in targets]
+            pairs += [pair for t in targets if isinstance(t, ast.Tuple) and isinstance(value, ast.Tuple)
+                      for pair in zip(t.elts, value.elts)]  # a, b = [], {}
+            names = [t.id for t, v in pairs if isinstance(t, ast.Name) and _is_mutable(v, immutable)]
+            if not names:
                 continue
             if any(n in _DUNDERS or (rel, n) in STATE_ALLOWED | DEEPSPEED_CONSTANTS for n in names):
                 continue
