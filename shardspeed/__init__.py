@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Iterable, Optional, Tuple
 
 from . import checkpointing, comm, zero
@@ -67,10 +68,10 @@ __all__ += ["add_config_arguments"]
 
 # a DeepSpeed name shardspeed does not mirror fails here with one line (``import shardspeed as deepspeed``);
 # DeepSpeed's other top-level names (DeepSpeedEngine is the engine class) are imported when first asked for
-_LAZY = {"DeepSpeedEngine": ("shardspeed.runtime.engine", "Engine"),
+_LAZY = MappingProxyType({"DeepSpeedEngine": ("shardspeed.runtime.engine", "Engine"),
          "get_accelerator": ("shardspeed.accelerator", "get_accelerator"),
          "PipelineModule": ("shardspeed.pipe", "PipelineModule"),
-         "DeepSpeedConfig": ("shardspeed.runtime.config", "DeepSpeedConfig")}
+         "DeepSpeedConfig": ("shardspeed.runtime.config", "DeepSpeedConfig")})
 _missing = module_getattr(__name__)
 
 

@@ -1,7 +1,7 @@
 """Owned state (issue 22): the parameter tags go through shardspeed.zero.tags; the process-wide state of
-DeepSpeed's module-level APIs lives in one object each (``TOPOLOGIES``: meshes and the current engine's
-topology; ``CHECKPOINTING``: activation checkpointing); two engines with different meshes live in one
-process and each trains as it does alone.
+DeepSpeed's module-level APIs is the current engine's (``shardspeed.mesh.current.CURRENT``: its topology,
+its activation checkpointing, the meshes the engines alive share); two engines with different meshes live
+in one process and each trains as it does alone.
 """
 from __future__ import annotations
 
@@ -39,39 +39,38 @@ def test_tags_set_read_clear():
     assert init_shard_of is tags.init_shard_of  # zero.init's name for it is the same function
 
 
-def test_current_topology_is_the_registrys():
+def test_current_topology_is_the_current_engines():
     import shardspeed.utils.groups as groups
-    from shardspeed.mesh.topology import TOPOLOGIES, Topology
+    from shardspeed.mesh.current import CURRENT, EngineScope
+    from shardspeed.mesh.topology import Topology
 
     a = Topology(shard_group=None, shard_rank=0, device=torch.device("cpu"))
     b = Topology(shard_group=None, shard_rank=1, device=torch.device("cpu"), data_size=2)
-    before = TOPOLOGIES.current()
-    try:
-        groups.set_topology(None)
+    with CURRENT.using(EngineScope(None)):  # as with no engine alive
         with pytest.raises(ShardspeedError, match="no engine yet"):
             groups.get_data_parallel_rank()
-        groups.set_topology(a)
-        assert groups.current_topology() is a and groups.get_data_parallel_world_size() == 1
-        with groups.using(b):
-            assert groups.get_data_parallel_rank() == 1 and TOPOLOGIES.current() is b
-        assert groups.current_topology() is a
-    finally:
-        TOPOLOGIES.set_current(before)
+        with CURRENT.using(EngineScope(a)):
+            assert groups.current_topology() is a and groups.get_data_parallel_world_size() == 1
+            with groups.using(b):
+                assert groups.get_data_parallel_rank() == 1 and CURRENT.scope().topology is b
+            assert groups.current_topology() is a
 
 
 def test_checkpointing_state_is_one_object():
     import shardspeed.checkpointing as ck
 
-    assert ck.get_cuda_rng_tracker() is ck.CHECKPOINTING.tracker
+    assert ck.get_cuda_rng_tracker() is ck.current().tracker
     before = (ck.settings(), ck.is_configured())
     own = ck.ActivationCheckpointing()
     own.configure(None, num_checkpoints=3, partition_activations=True)
     assert own.configured and own.settings.number_checkpoints == 3 and own.settings.partition_activations
-    assert (ck.settings(), ck.is_configured()) == before  # the process's configuration is untouched
+    assert (ck.settings(), ck.is_configured()) == before  # the current configuration is untouched
     with torch.random.fork_rng(devices=[]):  # seeding reseeds the default generator too
         own.seed(7)
     assert "model-parallel-rng" in own.tracker.get_states()
     assert own.tracker is not ck.get_cuda_rng_tracker()
+    nxt = own.successor()  # a later engine's: the same tracker, the settings and group carried over
+    assert nxt.tracker is own.tracker and nxt.settings == own.settings and nxt.configured
 
 
 # ---- world 4: two engines with different meshes in one process --------------------------------------

@@ -16,6 +16,12 @@
   parameter's unit through a map it owns).
 - modules the builder assembles importing ``shardspeed.config`` (annotation-only imports too): the config is
   read once, by the plan; only what sits above the builder and speaks config (:data:`SPEAKS_CONFIG`) may.
+- module-level mutable state in shardspeed/ (:func:`module_state`): ``global`` statements, and module-level
+  names bound to lists, dicts, sets or other mutable objects. Constants are fine: tuples, frozensets,
+  ``MappingProxyType``, compiled regexes, loggers, ``TypeVar``s, frozen dataclass and ``NamedTuple``
+  instances, a function's result when it is annotated as one of those. The one holder of the current engine
+  (:data:`STATE_ALLOWED`) is allowed by name, and so are DeepSpeed's public constants that DeepSpeed types as
+  lists and dicts (:data:`DEEPSPEED_CONSTANTS`).
 """
 from __future__ import annotations
 
@@ -237,6 +243,95 @@ def mesh_dims_definitions() -> List[str]:
             if any(isinstance(t, ast.Name) and t.id == "MESH_DIMS" for t in targets):
                 hits.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     return hits[1:]
+#: the one module-level holder of process-wide state: the current engine (shardspeed/mesh/current.py)
+STATE_ALLOWED = {("shardspeed/mesh/current.py", "CURRENT")}
+#: DeepSpeed's public constants at its module paths, kept with DeepSpeed's types (scripts and integrations
+#: compare them to lists and dicts); shardspeed never writes them
+DEEPSPEED_CONSTANTS = {("shardspeed/accelerator/real_accelerator.py", "SUPPORTED_ACCELERATOR_LIST"),
+                       ("shardspeed/utils/logging.py", "log_levels"),
+                       ("shardspeed/launcher/runner.py", "DEEPSPEED_ENVIRONMENT_PATHS"),
+                       ("shardspeed/runtime/lr_schedules.py", "VALID_LR_SCHEDULES"),
+                       ("shardspeed/git_version_info.py", "installed_ops"),
+                       ("shardspeed/git_version_info.py", "compatible_ops"),
+                       ("shardspeed/git_version_info.py", "torch_info"),
+                       ("shardspeed/ops/op_builder/__init__.py", "ALL_OPS")}
+#: module dunders the import system reads (``__all__``: a module's public names; ``__path__``: a package's)
+_DUNDERS = {"__all__", "__path__", "__getattr__"}
+_MUTABLE_NODES = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+#: calls whose result is immutable (by their last dotted name)
+_IMMUTABLE_CALLS = {"frozenset", "tuple", "MappingProxyType", "compile", "getLogger", "TypeVar", "NewType",
+                    "namedtuple", "object", "int", "float", "str", "bytes", "bool", "Path", "getenv", "join",
+                    "module_getattr", "ParamSpec", "dtype", "device"}
+_IMMUTABLE_RETURNS = ("Tuple", "tuple", "FrozenSet", "frozenset", "str", "int", "float", "bool", "bytes",
+                      "Callable", "MappingProxyType", "Pattern")
+
+
+def _immutable_types(tree: ast.Module) -> Set[str]:
+    """Names of this module's frozen dataclasses, NamedTuples and Enums, and of its functions annotated to
+    return an immutable value."""
+    out: Set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            text = " ".join(ast.unparse(d) for d in node.decorator_list + node.bases)
+            if "frozen=True" in text or "NamedTuple" in text or "Enum" in text:
+                out.add(node.name)
+        elif isinstance(node, ast.FunctionDef) and node.returns is not None:
+            if ast.unparse(node.returns).split("[")[0].split(".")[-1] in _IMMUTABLE_RETURNS:
+                out.add(node.name)
+    return out
+
+
+def _module_statements(body: List[ast.stmt]):
+    """The statements run at import: the module's body and the blocks of its if/try/with statements."""
+    for node in body:
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            yield from _module_statements(node.body)
+            yield from _module_statements(getattr(node, "orelse", []))
+            yield from _module_statements(getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                yield from _module_statements(handler.body)
+        else:
+            yield node
+
+
+def _is_mutable(value: ast.expr, immutable: Set[str]) -> bool:
+    if isinstance(value, _MUTABLE_NODES):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name not in _IMMUTABLE_CALLS and name not in immutable
+    return False
+
+
+def module_state() -> List[str]:
+    """Module-level mutable state in shardspeed/: each ``global`` statement and each module-level name bound
+    to a mutable value (see the module's docstring)."""
+    immutable: Set[str] = set()
+    trees = {p: ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
+    for tree in trees.values():
+        immutable |= _immutable_types(tree)
+    hits = []
+    for path, tree in trees.items():
+        rel = str(path.relative_to(ROOT))
+        hits += [f"{rel}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+        for node in _module_statements(tree.body):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            pairs = [(t, value) for t in targets]
+            pairs += [pair for t in targets if isinstance(t, ast.Tuple) and isinstance(value, ast.Tuple)
+                      for pair in zip(t.elts, value.elts)]  # a, b = [], {}
+            names = [t.id for t, v in pairs if isinstance(t, ast.Name) and _is_mutable(v, immutable)]
+            if not names:
+                continue
+            if any(n in _DUNDERS or (rel, n) in STATE_ALLOWED | DEEPSPEED_CONSTANTS for n in names):
+                continue
+            hits.append(f"{rel}:{node.lineno} {', '.join(names)} = {ast.unparse(value)[:60]}")
+    return hits
 
 
 def _report(title: str, items: List[str]) -> None:
@@ -257,6 +352,7 @@ def main() -> int:
     _report("MESH_DIMS definitions beyond one", mesh_dims_definitions())
     _report("attributes set on tensors (beyond DeepSpeed's ds_* and zero.Init's record)", tensor_attributes())
     _report("modules the builder assembles importing shardspeed.config", config_importers(import_graph(True)))
+    _report("module-level mutable state", module_state())
     return 0
 
 

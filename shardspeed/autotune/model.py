@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -50,7 +51,7 @@ from shardspeed.plan import Plan
 
 from .space import Candidate, apply_candidate
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_BYTES = MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2})
 #: Time factor of the per-sample compute with activation checkpointing (one extra forward ≈ 1/3 of fwd+bwd).
 RECOMPUTE_FACTOR = 4.0 / 3.0
 #: Share of per-sample activation memory kept with activation checkpointing (layer inputs only; a guess

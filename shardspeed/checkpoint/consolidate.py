@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,8 +32,8 @@ logger = logging.getLogger("shardspeed")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
+_UNITS = MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_size(size: Union[int, str]) -> int:

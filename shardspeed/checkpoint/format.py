@@ -13,7 +13,8 @@ import os
 import signal
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from types import MappingProxyType
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,13 +29,13 @@ try:  # zlib-ng's CRC-32: zlib's values, about 7 times faster (SIMD); ``pip inst
 except ImportError:  # pragma: no cover - depends on the install
     from zlib import crc32
 
-DTYPE_TO_ST: Dict[torch.dtype, str] = {
+DTYPE_TO_ST: Mapping[torch.dtype, str] = MappingProxyType({
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
-}
-DTYPE_NAMES: Dict[torch.dtype, str] = {d: str(d).replace("torch.", "") for d in DTYPE_TO_ST}
-NAME_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+})
+DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({d: str(d).replace("torch.", "") for d in DTYPE_TO_ST})
+NAME_TO_DTYPE: Mapping[str, torch.dtype] = MappingProxyType({v: k for k, v in DTYPE_NAMES.items()})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -50,10 +51,11 @@ def tensor_bytes(t: torch.Tensor):
 
 
 # ---- test hook -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class CrashHook:
     """Where a save may be interrupted: tests replace :data:`CRASH_HOOK` (``tests/crash_hook.py``) to kill the
-    process at a named point or after N bytes of its file. This one does nothing: production code reads no
-    switch for it."""
+    process at a named point or after N bytes of its file. This one does nothing and holds nothing:
+    production code reads no switch for it."""
 
     def at(self, point: str, rank: int) -> None:
         """Called at the named point of a save (``after_files``, ``after_metadata``, ``after_rename``, ...)."""
@@ -244,7 +246,7 @@ def write_file_synced(path: str, data: bytes) -> int:
 
 
 # ---- reading -------------------------------------------------------------------------------------------
-ST_TO_DTYPE: Dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+ST_TO_DTYPE: Mapping[str, torch.dtype] = MappingProxyType({v: k for k, v in DTYPE_TO_ST.items()})
 
 
 def is_plain_name(name: object) -> bool:

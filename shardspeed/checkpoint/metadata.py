@@ -23,6 +23,7 @@ and load unchanged.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -43,7 +44,15 @@ WEIGHT = ""  # the state name of a parameter's (or buffer's) value; optimizer st
 
 
 logger = logging.getLogger("shardspeed")
-_warned_unverified = False
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_unverified(where: str, version: int) -> None:
+    """Warn that ``where`` (format ``version``) has no checksums of its metadata and headers: once per file and
+    version (``lru_cache`` is the log-once: a repeated call returns without logging)."""
+    logger.warning("%s has format version %s, written before checksums of the metadata and file headers: those "
+                   "are not verified (tensor data and common.pt are); save again to get format %d",
+                   where, version, VERSION)
 
 
 def canonical_body(d: Dict[str, Any]) -> bytes:
@@ -201,7 +210,6 @@ class CheckpointMetadata:
 
     @classmethod
     def from_json(cls, text: str, where: str = "") -> CheckpointMetadata:
-        global _warned_unverified
         try:
             d = json.loads(text)
         except ValueError as exc:
@@ -222,11 +230,8 @@ class CheckpointMetadata:
                                   f"upgrade shardspeed")
         if "checksum" not in d and version >= CHECKSUM_VERSION:
             raise CheckpointError(f"{where} has format version {version} but no checksum; the file is corrupt")
-        if "checksum" not in d and not _warned_unverified and d.get("format") == FORMAT and version <= VERSION:
-            _warned_unverified = True
-            logger.warning("%s has format version %s, written before checksums of the metadata and file headers: "
-                           "those are not verified (tensor data and common.pt are); save again to get format %d",
-                           where, version, VERSION)
+        if "checksum" not in d and d.get("format") == FORMAT and version <= VERSION:
+            _warn_unverified(where, version)
         if d.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not a shardspeed checkpoint (format {d.get('format')!r})")
         if int(d.get("version", 0)) > VERSION:

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .core import (
-    CHECKPOINTING,
     ActivationCheckpointing,
     apply,
     checkpoint,
     checkpoint_function,
     checkpoint_with,
     configure,
+    current,
     get_cuda_rng_tracker,
     is_configured,
     model_group_comm,
@@ -49,18 +49,21 @@ __all__ = [
     "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker", "RNGStatesTracker", "CheckpointSettings",
     "checkpoint_function", "checkpoint_with", "checkpoint_blocks", "uncheckpoint_blocks", "find_blocks", "apply",
     "model_group_comm", "profile_totals", "settings", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
-    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span", "ActivationCheckpointing", "CHECKPOINTING",
+    "set_num_layers", "selective_policy", "SAVED_OPS", "partition_span", "ActivationCheckpointing", "current",
     "configure_from_plan",
 ]
 
 
 def configure_from_plan(plan: CheckpointingPlan, model: nn.Module, topology: Topology,
-                        log: Optional[CommsLogger] = None) -> None:
-    """What the engine does with its plan's activation checkpointing: the plan's settings (over ``topology``'s
-    tensor-parallel group) become the process's when the config has the block or nothing configured it yet, so
-    a configure() the user called before initialize survives a config without the block; ``plan.blocks`` also
-    checkpoints every transformer block of ``model``."""
-    if plan.configure or not is_configured():
-        apply(CheckpointSettings.from_plan(plan), model_group_comm(topology, log))
+                        log: Optional[CommsLogger] = None) -> ActivationCheckpointing:
+    """A new engine's activation checkpointing, from its plan: the current one's successor
+    (:meth:`~.core.ActivationCheckpointing.successor`), configured with the plan's settings (over
+    ``topology``'s tensor-parallel group) when the config has the block or nothing configured it yet, so a
+    configure() the user called before initialize survives a config without the block; ``plan.blocks`` also
+    checkpoints every transformer block of ``model``. The engine registers it (its scope) when built."""
+    own = current().successor()
+    if plan.configure or not own.configured:
+        own.apply(CheckpointSettings.from_plan(plan), model_group_comm(topology, log))
     if plan.blocks:
         checkpoint_blocks(model, policy=plan.policy)
+    return own

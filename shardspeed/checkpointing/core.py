@@ -1,4 +1,4 @@
-"""``checkpoint(function, *args)`` and its process-wide configuration (DeepSpeed's module-level API).
+"""``checkpoint(function, *args)`` and its configuration, the current engine's (DeepSpeed's module-level API).
 
 A checkpoint runs ``function`` without keeping its intermediate activations and reruns it in backward:
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` underneath, which restores the CPU and device
@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ConfigError
+from ..mesh.current import CURRENT
 from ..mesh.topology import Topology
 from .policy import policy_contexts
 from .rng import RNGStatesTracker, _generator, seed_tracker
@@ -36,11 +37,12 @@ class ActivationCheckpointing:
 
     DeepSpeed's ``deepspeed.checkpointing`` is a module-level API: ``configure`` once (or let the engine do
     it from its config), then ``checkpoint(block, x)`` anywhere in a model's forward with no handle passed.
-    So its state is the process's, and it lives here: the settings in force, the tensor-parallel group's
-    collectives (``partition_activations`` splits over it) and rank, where the saved inputs go, the
-    ``profile`` totals, and the model-parallel RNG tracker (``get_cuda_rng_tracker()``). The process's
-    object is :data:`CHECKPOINTING`; this module's functions (``configure``, ``is_configured``,
-    ``checkpoint``, ...) are its methods, called on it.
+    Its state lives here: the settings in force, the tensor-parallel group's collectives
+    (``partition_activations`` splits over it) and rank, where the saved inputs go, the ``profile`` totals,
+    and the model-parallel RNG tracker (``get_cuda_rng_tracker()``). Each engine owns one (in its
+    :class:`~shardspeed.mesh.current.EngineScope`); this module's functions (``configure``,
+    ``is_configured``, ``checkpoint``, ...) call the current engine's, or before any engine the one the
+    first engine takes over (:func:`current`).
     """
 
     def __init__(self) -> None:
@@ -85,6 +87,17 @@ class ActivationCheckpointing:
         kwargs = {**self.settings.__dict__, **changes}
         self.apply(CheckpointSettings(**kwargs), self.comm)
 
+    def successor(self) -> ActivationCheckpointing:
+        """A new engine's: this one's RNG tracker (the process's model-parallel streams, seeded once), and its
+        settings and group when configured (a ``configure`` before ``initialize`` survives a config without
+        the block, as one engine's does for the next)."""
+        self.reset()  # the contiguous buffers: one engine's in use at a time, the current one's (as before)
+        nxt = ActivationCheckpointing()
+        nxt.tracker = self.tracker
+        if self.configured:
+            nxt.apply(self.settings, self.comm)
+        return nxt
+
     def reset(self) -> None:
         """Drop the contiguous buffers."""
         if self.saved.contiguous is not None:
@@ -124,16 +137,17 @@ class ActivationCheckpointing:
         return out
 
 
-#: The process's activation checkpointing (DeepSpeed's module-level API reads and writes it; nothing else does).
-CHECKPOINTING = ActivationCheckpointing()
+def current() -> ActivationCheckpointing:
+    """The activation checkpointing DeepSpeed's module-level functions act on: the current engine's, or with
+    no engine alive the one set up before ``initialize`` (which the first engine takes over)."""
+    return CURRENT.scope().part(ActivationCheckpointing)
 
 
 # ---- configuration ------------------------------------------------------------------------------------
 
 def apply(settings: CheckpointSettings, comm: Optional[Collectives] = None) -> None:
-    """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the process's configuration;
-    what the engine calls with its plan's activation checkpointing (:func:`configure_from_plan`)."""
-    CHECKPOINTING.apply(settings, comm)
+    """Make ``settings`` (and the tensor-parallel group's collectives ``comm``) the current configuration."""
+    current().apply(settings, comm)
 
 
 def model_group_comm(topology: Topology, log: Optional[CommsLogger] = None) -> Optional[Collectives]:
@@ -172,58 +186,58 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
     ``partition_activations`` splits over; None keeps the previous one. ``deepspeed_config``: a config
     (dict, JSON path or ShardspeedConfig) whose ``activation_checkpointing`` block is read first; the
     keyword arguments override it (None: keep the config's, else the default)."""
-    CHECKPOINTING.configure(mpu_, deepspeed_config, partition_activations, contiguous_checkpointing,
+    current().configure(mpu_, deepspeed_config, partition_activations, contiguous_checkpointing,
                             num_checkpoints, checkpoint_in_cpu, synchronize, profile)
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
     """Turn ``partition_activations`` on or off, keeping the other settings (DeepSpeed's function)."""
-    CHECKPOINTING.replace(partition_activations=bool(partition_activation))
+    current().replace(partition_activations=bool(partition_activation))
 
 
 def set_num_layers(nlayers: int) -> None:
     """Set ``number_checkpoints`` (DeepSpeed's function)."""
-    CHECKPOINTING.replace(number_checkpoints=int(nlayers))
+    current().replace(number_checkpoints=int(nlayers))
 
 
 def is_configured() -> bool:
     """True once ``configure`` (or an engine) has configured activation checkpointing."""
-    return CHECKPOINTING.configured
+    return current().configured
 
 
 def reset() -> None:
     """Drop the contiguous buffers (call it between forwards that have no backward, e.g. in evaluation)."""
-    CHECKPOINTING.reset()
+    current().reset()
 
 
 def settings() -> CheckpointSettings:
     """The settings in force."""
-    return CHECKPOINTING.settings
+    return current().settings
 
 
 def tensor_parallel_rank() -> int:
-    return CHECKPOINTING.tp_rank
+    return current().tp_rank
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:
     """The process's tracker (DeepSpeed's name)."""
-    return CHECKPOINTING.tracker
+    return current().tracker
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default device generator with ``seed`` and the tracker's "model-parallel-rng" state with
     ``seed + 2718 + tensor-parallel rank`` (DeepSpeed's function; call it after ``configure``)."""
-    CHECKPOINTING.seed(seed)
+    current().seed(seed)
 
 
 def model_parallel_reconfigure_tp_seed(seed: int) -> None:
     """Reseed the "model-parallel-rng" state only (DeepSpeed's function)."""
-    CHECKPOINTING.reseed_tp(seed)
+    current().reseed_tp(seed)
 
 
 def profile_totals() -> Dict[str, float]:
     """With ``profile``: seconds spent in checkpointed forwards and backwards (recompute included), and calls."""
-    return dict(CHECKPOINTING.totals)
+    return dict(current().totals)
 
 
 # ---- forward / recompute contexts ---------------------------------------------------------------------
@@ -326,7 +340,7 @@ def _context_fn(boundary: _Boundary, policy: str) -> Callable[[], Tuple[ContextM
 def checkpoint_with(function: Callable, args: tuple, kwargs: Dict[str, Any], policy: Optional[str] = None) -> Any:
     """``function(*args, **kwargs)`` checkpointed under the configured settings and ``policy`` (default: the
     configured one). Tensors among ``kwargs`` are saved and differentiated as positional ones are."""
-    return CHECKPOINTING.checkpoint_with(function, args, kwargs, policy)
+    return current().checkpoint_with(function, args, kwargs, policy)
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:

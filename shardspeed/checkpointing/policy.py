@@ -10,7 +10,8 @@ the RNG from the forward's state, and skipping a random op there would shift eve
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, ContextManager, Mapping, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -54,7 +55,8 @@ def selective_contexts() -> Tuple[ContextManager, ContextManager]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-CONTEXTS: dict = {"selective": selective_contexts}
+CONTEXTS: Mapping[str, Callable[[], Tuple[ContextManager, ContextManager]]] = MappingProxyType(
+    {"selective": selective_contexts})
 
 
 def policy_contexts(policy: str) -> Callable[[], Tuple[ContextManager, ContextManager]] | None:

@@ -5,9 +5,9 @@ named state and advances only that state; ``model_parallel_cuda_manual_seed(seed
 generator with ``seed`` (the same on the ranks of a model group) and adds the "model-parallel-rng" state
 seeded ``seed + 2718 + tensor-parallel rank`` (different within a model group), as DeepSpeed does. The
 "device" is CUDA when available, else the CPU generator (as DeepSpeed's CPU accelerator). A checkpoint
-restores the tracker's states for its recompute, so dropout inside a fork replays exactly. The process's
-tracker (``get_cuda_rng_tracker()``) belongs to :data:`shardspeed.checkpointing.core.CHECKPOINTING`; this
-module holds none.
+restores the tracker's states for its recompute, so dropout inside a fork replays exactly. The tracker
+``get_cuda_rng_tracker()`` returns belongs to the current engine's activation checkpointing
+(:func:`shardspeed.checkpointing.core.current`; one engine hands it to the next); this module holds none.
 """
 from __future__ import annotations
 

@@ -8,14 +8,14 @@ from typing import Sequence
 from .usage import UsageError
 
 # Options that mean the user chose the rendezvous themselves: then --standalone is not added.
-_RENDEZVOUS_OPTIONS = {
+_RENDEZVOUS_OPTIONS = frozenset({
     "--standalone",
     "--rdzv-endpoint",
     "--rdzv-backend",
     "--master-addr",
     "--master-port",
     "--node-rank",
-}
+})
 
 
 def torchrun_option_arity() -> dict[str, int]:

@@ -16,26 +16,27 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .usage import UsageError
 
 #: DeepSpeed's options that take a value -> the name they are kept under (aliases share one).
-VALUE_OPTIONS = {
+VALUE_OPTIONS = MappingProxyType({
     "--num_gpus": "num_gpus", "--num_accelerators": "num_gpus", "--num_nodes": "num_nodes",
     "--hostfile": "hostfile", "-H": "hostfile", "--include": "include", "-i": "include",
     "--exclude": "exclude", "-e": "exclude", "--launcher": "launcher", "--launcher_args": "launcher_args",
     "--ssh_port": "ssh_port", "--venv_script": "venv_script", "--log_level": "log_level",
     "--enable_each_rank_log": "enable_each_rank_log", "--bind_core_list": "bind_core_list",
-}
+})
 #: DeepSpeed's flags (torchrun's --module, --no_python, --master_addr/port, --node_rank are passed through).
-FLAG_OPTIONS = {
+FLAG_OPTIONS = MappingProxyType({
     "--no_local_rank": "no_local_rank", "--no_ssh": "no_ssh", "--no_ssh_check": "no_ssh_check",
     "--force_multi": "force_multi", "--save_pid": "save_pid", "--bind_cores_to_rank": "bind_cores_to_rank",
     "-q": "quiet", "--quiet": "quiet", "--elastic_training": "elastic_training",
-}
+})
 #: Given these, DeepSpeed's behaviour needs a transport or a tool shardspeed does not provide: one line each.
-NOT_PROVIDED = {
+NOT_PROVIDED = MappingProxyType({
     "launcher_args": "--launcher_args (arguments for pdsh/mpirun/srun)",
     "ssh_port": "--ssh_port (shardspeed starts no ssh session)",
     "venv_script": "--venv_script (sourced by pdsh on each host)",
@@ -43,7 +44,7 @@ NOT_PROVIDED = {
     "bind_cores_to_rank": "--bind_cores_to_rank (numactl binding; torchrun has --numa-binding)",
     "bind_core_list": "--bind_core_list (numactl binding; torchrun has --numa-binding)",
     "elastic_training": "--elastic_training (use torchrun's --nnodes MIN:MAX with --rdzv-backend c10d)",
-}
+})
 #: DeepSpeed's multi-node transports. None is provided; pdsh (the default) is read as "run this on each host".
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 ENV_FILE_NAME = ".deepspeed_env"  # deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME, unless DS_ENV_FILE renames it

@@ -7,8 +7,9 @@ import argparse
 import json
 import re
 import sys
+from types import MappingProxyType
 
-_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_SUFFIXES = MappingProxyType({"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12})
 
 
 def parse_count(text: str) -> int:

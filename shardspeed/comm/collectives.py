@@ -12,6 +12,7 @@ import pickle
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
@@ -124,7 +125,7 @@ def _reduce_scatter_tensor(output, input, group, async_op, chunks=False):
 
 
 #: Bytes each rank sends per byte of message in a ring implementation, as a function of world size N.
-_RING_FACTOR = {
+_RING_FACTOR = MappingProxyType({
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -134,12 +135,12 @@ _RING_FACTOR = {
     "all_gather_object": lambda n: (n - 1) / n,
     "broadcast_object": lambda n: 1.0 if n > 1 else 0.0,
     "barrier": lambda n: 0.0,
-}
+})
 
 #: Messages of each op expressed in "model-size units": an all-reduce of Ψ counts as 2Ψ (it is a
 #: reduce-scatter plus an all-gather), as in the ZeRO paper's accounting.
-_PAPER_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "all_to_all": 1.0,
-                 "all_gather_object": 1.0, "broadcast_object": 1.0, "barrier": 0.0}
+_PAPER_FACTOR = MappingProxyType({"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "all_to_all": 1.0,
+                 "all_gather_object": 1.0, "broadcast_object": 1.0, "barrier": 0.0})
 
 
 @dataclass

@@ -9,10 +9,11 @@ the results nor what a run writes.
 """
 from __future__ import annotations
 
-from typing import Dict
+from types import MappingProxyType
+from typing import Mapping
 
 #: block name -> what implements it.
-IMPLEMENTED_BLOCKS: Dict[str, str] = {
+IMPLEMENTED_BLOCKS: Mapping[str, str] = MappingProxyType({
     "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
     "bf16": "bf16 training (runtime.builder: train dtype)",
     "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
@@ -27,6 +28,6 @@ IMPLEMENTED_BLOCKS: Dict[str, str] = {
                        "moe.autoep)",
     "autotuning": "a trial's profile window (autotune.probe: measure, write metric_path, exit); "
                   "`shardspeed autotune` (autotune.search)",
-}
+})
 
 __all__ = ["IMPLEMENTED_BLOCKS"]

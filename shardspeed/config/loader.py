@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import string
+from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
@@ -21,16 +22,16 @@ logger = logging.getLogger("shardspeed.config")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 # What a value may be, by pydantic error type.
-_EXPECTED = {
+_EXPECTED = MappingProxyType({
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
     "bool_type": "true or false", "bool_parsing": "true or false",
     "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
     "string_type": "a string", "list_type": "a list", "dict_type": "an object ({...})",
     "model_type": "an object ({...})", "model_attributes_type": "an object ({...})",
-}
-_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
-           "less_than_equal": ("le", "<=")}
-_EXPECTED_BY_KEY = {"zero_optimization.stage": "0, 1, 2 or 3"}
+})
+_BOUNDS = MappingProxyType({"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")})
+_EXPECTED_BY_KEY = MappingProxyType({"zero_optimization.stage": "0, 1, 2 or 3"})
 #: How deep a config may nest (DeepSpeed's are 3-4 levels) and the range of its integers.
 MAX_DEPTH = 64
 _BASE64 = frozenset(string.ascii_letters + string.digits + "-_=")

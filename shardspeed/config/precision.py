@@ -1,6 +1,7 @@
 """Mixed-precision blocks: `fp16`, `bf16` (alias `bfloat16`), `data_types`, and dtype spellings."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, List, Literal, Optional, Union
 
 import torch
@@ -12,16 +13,16 @@ from .base import ConfigModel, field
 DtypeName = Literal["fp32", "fp16", "bf16"]
 
 # Spellings DeepSpeed accepts for a dtype (its DtypeEnum), compared case-insensitively.
-_DTYPE_SPELLINGS = {
+_DTYPE_SPELLINGS = MappingProxyType({
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
+})
 
 #: The largest ``fp16.initial_scale_power``: 2.0 ** 1024 overflows a Python float.
 MAX_SCALE_POWER = 1023
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
 
 
 def normalize_dtype_name(value: Any) -> Any:

@@ -19,7 +19,7 @@ DEFAULT_MAX_BYTES = 4_000_000
 
 # Directories under the stdlib path that hold third-party or generated code, not the stdlib itself;
 # leaving them out keeps the corpus the same whatever else is installed.
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def _stdlib_sources(stdlib_dir: Path) -> list[Path]:

@@ -7,7 +7,8 @@ plan's :class:`~shardspeed.errors.ConfigError`.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -15,8 +16,8 @@ from ..errors import ConfigError
 from ..plan import MeshPlan, ModelFacts, OptimizerPlan, Plan, decide, optimizer_of, precision_of, sharding_of
 
 #: fp32 optimizer-state bytes per parameter element, by optimizer name (lower case)
-OPTIMIZER_STATE_BYTES: Dict[str, int] = {"adam": 8, "adamw": 8, "lamb": 8, "fusedadam": 8, "cpuadam": 8,
-                                         "onebitadam": 8, "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4}
+OPTIMIZER_STATE_BYTES: Mapping[str, int] = MappingProxyType({"adam": 8, "adamw": 8, "lamb": 8, "fusedadam": 8, "cpuadam": 8,
+                                         "onebitadam": 8, "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4})
 
 
 def precision_keys(dtype: str) -> Dict[str, Any]:

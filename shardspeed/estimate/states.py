@@ -23,6 +23,7 @@ a dtype and the offloads, and prices its plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Dict
 
 import torch
@@ -31,7 +32,7 @@ from ..errors import ConfigError
 from ..plan import Plan
 from .planning import plan_for
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import json
 import os
 from contextlib import contextmanager
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
@@ -51,11 +52,11 @@ __all__ = ["ShardspeedStrategy", "ShardspeedPrecision"]
 _PathLike = Union[str, "os.PathLike[str]"]
 
 #: Trainer ``precision=`` values and the config block each one turns on ("32" leaves the config to decide).
-_PRECISION_BLOCK = {
+_PRECISION_BLOCK = MappingProxyType({
     "32-true": None, "32": None,
     "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
     "16-mixed": "fp16", "16-true": "fp16", "16": "fp16",
-}
+})
 _CHECKPOINT_TAG = "checkpoint"
 # Keys of Lightning's checkpoint dict the engine's own checkpoint replaces (weights and optimizer state)
 _ENGINE_KEYS = ("state_dict", "optimizer_states")

@@ -145,9 +145,6 @@ def backend_options(timeout: datetime.timedelta) -> Any:
     return None
 
 
-_shutdowns = 0  # shutdown_distributed calls in this process: part of its store keys
-
-
 def _wait_count(store: Any, key: str, target: int, timeout: float) -> bool:
     """Poll the store's counter ``key`` until it reaches ``target``; False after ``timeout`` seconds."""
     deadline, pause = time.monotonic() + timeout, 0.005
@@ -157,6 +154,16 @@ def _wait_count(store: Any, key: str, target: int, timeout: float) -> bool:
         time.sleep(pause)
         pause = min(pause * 2, 0.1)
     return True
+
+
+def _shutdown_prefix(store: Any, world: int) -> str:
+    """The store keys of this shutdown, distinct from an earlier one's on the same store (a store torchrun's
+    agent shares across process groups): each rank counts itself in; the ranks of one shutdown, which all
+    returned from the earlier one before the barrier that precedes this, draw numbers from the same block of
+    ``world``."""
+    base = f"shardspeed/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/w{world}/"
+    round_ = (store.add(base + "calls", 1) - 1) // world
+    return f"{base}{round_}/"
 
 
 def shutdown_distributed(timeout: float = 60.0) -> None:
@@ -178,7 +185,6 @@ def shutdown_distributed(timeout: float = 60.0) -> None:
     4. the ranks > 0 tell the store they are done and return; rank 0 returns (and its process may exit,
        taking the store's server with it) only once they all have, or after ``timeout`` seconds.
     """
-    global _shutdowns
     if not (dist.is_available() and dist.is_initialized()):
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,9 +195,8 @@ def shutdown_distributed(timeout: float = 60.0) -> None:
 
     store = _get_default_store()  # held until the end: on rank 0 it may own the server
     dist.barrier()
-    _shutdowns += 1
-    prefix = f"shardspeed/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_shutdowns}/"
     try:
+        prefix = _shutdown_prefix(store, world)
         store.add(prefix + "arrived", 1)
         if not _wait_count(store, prefix + "arrived", world, timeout):
             logger.warning("shutdown: not every rank reached the end within %.0f s; destroying the groups", timeout)

@@ -1,9 +1,10 @@
-"""Which ranks work together: built once, passed explicitly (no global process groups).
+"""One job: which ranks work together: the mesh's sizes and names and the groups derived from them, built once
+and passed explicitly (no global process groups).
 
-A `Topology` is handed to every part that needs one; the only topologies kept beyond that are in one
-object, :data:`TOPOLOGIES` (a :class:`TopologyRegistry`): the meshes already built (a later engine of the
-same mesh reuses their groups) and the current engine's topology, for DeepSpeed's module-level
-``deepspeed.utils.groups`` functions (:mod:`shardspeed.utils.groups`).
+A `Topology` is handed to every part that needs one. The meshes already built are kept by a
+:class:`TopologyRegistry` that the engines alive share (a later engine of the same mesh reuses their
+groups); which engine DeepSpeed's module-level ``deepspeed.utils.groups`` functions answer for is
+:data:`shardspeed.mesh.current.CURRENT`'s to say.
 
 The world is a device mesh whose dimensions are named by :data:`MESH_DIMS`, outermost first (DeepSpeed's
 axis order; ``model`` innermost, so tensor-parallel peers are neighbouring ranks). Every mesh has pipe, data
@@ -31,16 +32,16 @@ tensor ranks there (Megatron's meaning). Names of groups in messages: :func:`des
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedError
+from .current import CURRENT
 from .init import backend_options, group_timeout, local_device, new_group
 
 #: The mesh's dimension names, outermost first: the one definition (the plan imports it).
@@ -157,9 +158,11 @@ class Topology:
         Collective: every rank must call it with the same sizes. Creates each group in the same order on
         every rank (the mesh's own groups, then the pipe × model groups when both are > 1). A second call
         with the same sizes in the same process group returns the first's Topology, groups and all (no new
-        groups per engine): ``registry`` (default: the process's, :data:`TOPOLOGIES`) keeps them.
+        groups per engine): ``registry`` keeps them (default: the current engine's, shared by the engines
+        alive; before any engine, the one the first engine takes over: :mod:`shardspeed.mesh.current`).
         """
-        return (registry if registry is not None else TOPOLOGIES).mesh(pipe, model, dims, sequence, expert)
+        registry = registry if registry is not None else CURRENT.scope().part(TopologyRegistry)
+        return registry.mesh(pipe, model, dims, sequence, expert)
 
     @classmethod
     def build_mesh(cls, sizes: Tuple[int, int, int], device: torch.device,
@@ -263,28 +266,25 @@ class Topology:
 
 
 class TopologyRegistry:
-    """The topologies that outlive the call that built them: the only place shardspeed keeps any.
+    """The meshes built so far, kept for the engines that come later (no new groups per engine).
 
-    Everything else receives its Topology explicitly (an engine holds its own), so engines with different
-    meshes live side by side in one process. Two things need more, and live here:
+    The Topology of each ``(pipe, data, model)`` mesh built over the current default process group, by sizes
+    and device: a later engine of the same mesh gets the same object, so a mesh's process groups
+    (connections under gloo, communicators and their device buffers under NCCL) are created once, not once
+    per engine; hpZ's node groups likewise. A new default group (torch.distributed re-initialised) drops
+    them: their groups died with the old one.
 
-    - **meshes**: the Topology of each ``(pipe, data, model)`` mesh built over the current default process
-      group, by sizes and device. A later engine of the same mesh gets the same object, so a mesh's process
-      groups (connections under gloo, communicators and their device buffers under NCCL) are created once
-      per process group, not once per engine. A new default group (torch.distributed re-initialised) drops
-      them: their groups died with the old one.
-    - **current**: the topology of the most recently built engine (the builder sets it, through
-      :func:`shardspeed.utils.groups.set_topology`), which DeepSpeed's module-level
-      ``deepspeed.utils.groups`` functions answer from; :meth:`using` selects another for a block.
-
-    The process's registry is :data:`TOPOLOGIES`; a registry of one's own (``Topology.from_mesh(...,
-    registry=...)``) shares nothing with it.
+    No registry is the process's: the engines alive share one (their :class:`~.current.EngineScope` holds
+    it; the first engine takes over the one built before it or kept after the last engine was destroyed),
+    and ``Topology.from_mesh(..., registry=TopologyRegistry())`` shares nothing.
     """
+
+    #: kept after the last engine alive is destroyed, for the next (:meth:`~.current.EngineScope.lasting`)
+    OUTLIVES_ENGINE = True
 
     def __init__(self) -> None:
         self._default: Optional[weakref.ref] = None  # the default group the meshes were built in
         self._meshes: Dict[Tuple[Tuple[int, int, int], torch.device, Tuple[str, ...], int, int], Topology] = {}
-        self._current: Optional[Topology] = None
         self._levels: Dict[Tuple[Tuple[int, ...], int], Optional[dist.ProcessGroup]] = {}  # node_group's
 
     def mesh(self, pipe: int = 1, model: int = 1, dims: Sequence[str] = BASE_DIMS, sequence: int = 1,
@@ -320,27 +320,6 @@ class TopologyRegistry:
     def meshes(self) -> List[Topology]:
         """The meshes kept (those of the current default group), in the order they were built."""
         return list(self._meshes.values())
-
-    def set_current(self, topology: Optional[Topology]) -> None:
-        """Make ``topology`` the current one (None: no engine)."""
-        self._current = topology
-
-    def current(self) -> Optional[Topology]:
-        """The current topology: the most recently built engine's, or the one :meth:`using` selected."""
-        return self._current
-
-    @contextlib.contextmanager
-    def using(self, topology: Topology) -> Iterator[Topology]:
-        """The block's current topology is ``topology`` (e.g. one of two engines'); the previous one after."""
-        previous, self._current = self._current, topology
-        try:
-            yield topology
-        finally:
-            self._current = previous
-
-
-#: The process's registry (see :class:`TopologyRegistry`): the meshes built so far, the current engine's topology.
-TOPOLOGIES = TopologyRegistry()
 
 
 def check_user_groups(reports: Sequence[Any]) -> None:
@@ -437,12 +416,12 @@ def _timeout_overrides(dims: Sequence[str], shape: Sequence[int]) -> Dict[Any, A
 
 
 def describe_group(group: Optional[dist.ProcessGroup], topology: Optional[Topology] = None) -> str:
-    """How an error message names ``group`` (None: the world): its name in ``topology``, else in the
-    meshes and current topology of :data:`TOPOLOGIES` (:meth:`Topology.dim_of`), else its description
-    (``"mesh_pipe"`` → pipe, a tie group's); then its global ranks. E.g. ``"the data group (global ranks
-    [1, 3])"``."""
+    """How an error message names ``group`` (None: the world): its name in ``topology``, else in the current
+    engine's topology, the other engines' alive and their meshes (:meth:`Topology.dim_of`,
+    :mod:`shardspeed.mesh.current`), else its description (``"mesh_pipe"`` → pipe, a tie group's); then its
+    global ranks. E.g. ``"the data group (global ranks [1, 3])"``."""
     name = None
-    for topo in (topology, TOPOLOGIES.current(), *TOPOLOGIES.meshes()):
+    for topo in (topology, *_known_topologies()):
         if topo is not None and name is None:
             name = topo.dim_of(group)
     if name is None:
@@ -455,6 +434,16 @@ def describe_group(group: Optional[dist.ProcessGroup], topology: Optional[Topolo
         elif desc and desc not in ("undefined", "default_pg"):
             name = desc
     return f"the {name or 'process'} group (global ranks {group_ranks(group)})"
+
+
+def _known_topologies() -> List[Topology]:
+    """The topologies of the engines alive (the current one first) and of the meshes they keep."""
+    scopes = [CURRENT.scope(), *reversed(CURRENT.alive())]
+    known = [s.topology for s in scopes if s.topology is not None]
+    for scope in scopes:
+        registry = scope.find(TopologyRegistry)
+        known += registry.meshes() if registry is not None else []
+    return known
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:

@@ -15,7 +15,8 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from types import MappingProxyType
+from typing import Callable, ContextManager, Mapping
 
 import torch
 import torch.nn as nn
@@ -58,12 +59,12 @@ class GPTConfig:
 #: Named shapes. ``tiny`` (~0.2M parameters) is for unit tests, ``small`` (~3.3M) for the example on
 #: CPUs; ``gpt2-50m`` and ``gpt2-1.3b`` use GPT-2's 50257-token vocabulary and 1024 positions (the
 #: byte-level example overrides ``vocab_size`` to 256).
-PRESETS: dict[str, GPTConfig] = {
+PRESETS: Mapping[str, GPTConfig] = MappingProxyType({
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),
     "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256),
     "gpt2-50m": GPTConfig(vocab_size=50257, block_size=1024, n_layer=8, n_head=8, n_embd=512),
     "gpt2-1.3b": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=2048),
-}
+})
 
 
 class CausalSelfAttention(nn.Module):

@@ -65,7 +65,7 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 #: The parameters the two uses of the tied embedding share (the head leaves wpe unused).
-TIED = ["wte.weight", "wpe.weight"]
+TIED = ("wte.weight", "wpe.weight")
 
 
 def gpt_layer_specs(config: GPTConfig, pipe: ModuleType, tied: bool = False) -> List[Any]:

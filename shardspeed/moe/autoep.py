@@ -21,6 +21,7 @@ gathers and reduces every expert unit on every rank: no hang, and idle experts g
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -32,8 +33,8 @@ from ..errors import ConfigError
 from .experts import grouped_mm, mark_expert_slice, padded_bmm, tag_expert_param
 
 #: transformers' MoE block classes AutoEP converts, by preset_model
-PRESET_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock",
-                 "deepseek_v3": "DeepseekV3MoE"}
+PRESET_BLOCKS = MappingProxyType({"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+                 "deepseek_v3": "DeepseekV3MoE"})
 
 
 class _AllToAllV(torch.autograd.Function):

@@ -10,8 +10,9 @@ offload adds is *where* the kernel runs: on tiles of the flat master chunk, in a
 :func:`adam_step` is the single entry point: the same math as ``torch.optim.AdamW(fused=True)`` /
 ``torch.optim.Adam(fused=True)`` (bit-identical on the same tensors), so an offloaded run matches the
 run without offload. ``threads > 1`` splits a tile into chunks stepped from a thread pool (torch ops
-release the GIL) — measured no faster than the kernel's own threading on this 2-core box, kept as an
-option for hosts where intra-op threading is disabled.
+release the GIL; the pool is the stepping object's: :class:`CPUAdam`'s, the offloaded masters') — measured
+no faster than the kernel's own threading on this 2-core box, kept as an option for hosts where intra-op
+threading is disabled.
 """
 from __future__ import annotations
 
@@ -61,25 +62,31 @@ def _kernel(params, grads, exp_avgs, exp_avg_sqs, steps, h: AdamHyper) -> None:
        weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=h.maximize)
 
 
-_POOL: Optional[ThreadPoolExecutor] = None
-
-
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              step: torch.Tensor, h: AdamHyper, threads: int = 1) -> None:
+              step: torch.Tensor, h: AdamHyper, threads: int = 1, pool: Optional[ThreadPoolExecutor] = None) -> None:
     """One Adam/AdamW update of a flat fp32 tile, in place. ``step`` (a float32 scalar tensor on the
-    tile's device) must already count this step (the caller increments it once per optimizer step)."""
+    tile's device) must already count this step (the caller increments it once per optimizer step).
+    ``threads`` > 1 (tiles of 1M elements or more): that many chunks stepped on ``pool``, the stepping
+    object's own (:func:`step_pool`; without one, a pool for this call)."""
     if threads <= 1 or param.numel() < 1 << 20:
         _kernel([param], [grad], [exp_avg], [exp_avg_sq], [step], h)
         return
-    global _POOL
-    if _POOL is None or _POOL._max_workers < threads:
-        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="shardspeed-adam")
+    if pool is None:
+        with ThreadPoolExecutor(threads, thread_name_prefix="shardspeed-adam") as own:
+            adam_step(param, grad, exp_avg, exp_avg_sq, step, h, threads, own)
+        return
     n = param.numel()
     bounds = [n * i // threads for i in range(threads + 1)]
-    futs = [_POOL.submit(_kernel, [param[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step], h)
+    futs = [pool.submit(_kernel, [param[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step], h)
             for a, b in zip(bounds[:-1], bounds[1:])]
     for f in futs:
         f.result()
+
+
+def step_pool(threads: int) -> Optional[ThreadPoolExecutor]:
+    """The pool an object stepping with ``threads`` > 1 owns (its threads start on first use; the owner shuts
+    it down when it closes); None for ``threads`` <= 1."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="shardspeed-adam") if threads > 1 else None
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -97,6 +104,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       adamw_mode=adamw_mode))
         self.threads = threads
+        self._pool = step_pool(threads)  # this optimizer's: stops with it
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,7 +121,7 @@ class CPUAdam(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 adam_step(p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
-                          st["step"], h, self.threads)
+                          st["step"], h, self.threads, self._pool)
         return loss
 
 

@@ -33,7 +33,7 @@ from ..zero.layout import Piece
 from ..zero.master import MasterWeights, StepResult, device_master
 from ..zero.root import ZeroRoot
 from ..zero.unit import FlatParamUnit
-from .cpu_adam import adam_step, hyper_of, is_adam_family
+from .cpu_adam import adam_step, hyper_of, is_adam_family, step_pool
 from .store import MemoryStateStore, NvmeStateStore, TileState
 from .tiles import Tile, plan_tiles, split_by_ratio
 from .transfer import HostCopier
@@ -121,6 +121,7 @@ class OffloadedMasterWeights(MasterWeights):
         self.host_store: Optional[Union[NvmeStateStore, MemoryStateStore]] = None  # both set when tiled
         self.device_store: Optional[MemoryStateStore] = None
         self.copier: Optional[HostCopier] = None
+        self._step_pool = step_pool(plan.threads if self.tiled else 1)  # the host tiles' chunk threads (ours)
         if not self.tiled:
             logger.info("offload: %s is stepped by torch on the host (generic path)", type(self.optimizer).__name__)
             return
@@ -205,7 +206,7 @@ class OffloadedMasterWeights(MasterWeights):
                 if coef != 1.0:
                     g.mul_(coef)
                 adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._host_step, hyper[t.group],
-                          self.plan.threads)
+                          self.plan.threads, self._step_pool)
                 unit = self.units[t.unit]
                 if unit.placement.in_file:  # offload_param nvme: the tile, cast, goes into the parameter file
                     unit.write_shard(st.master, t.lo)
@@ -307,4 +308,7 @@ class OffloadedMasterWeights(MasterWeights):
         for s in (self.host_store, self.device_store):
             if s is not None:
                 s.close()
+        if self._step_pool is not None:
+            self._step_pool.shutdown()
+            self._step_pool = None
         super().close()

@@ -27,6 +27,7 @@ import inspect
 import logging
 import math
 import re
+from types import MappingProxyType
 from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Type
 
 import torch
@@ -44,7 +45,7 @@ __all__ = ["build_optimizer", "rebuild_optimizer", "retarget_optimizer", "DEEPSP
 DEEPSPEED_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
 
 # DeepSpeed optimizers that depend on DeepSpeed's own kernels or on mup.
-_UNSUPPORTED = {
+_UNSUPPORTED = MappingProxyType({
     "onebitadam": "1-bit Adam compresses DeepSpeed's own communication; use 'adamw'",
     "zerooneadam": "0/1 Adam compresses DeepSpeed's own communication; use 'adamw'",
     "onebitlamb": "1-bit LAMB compresses DeepSpeed's own communication; use 'lamb'",
@@ -53,29 +54,29 @@ _UNSUPPORTED = {
     "musgd": "mup's MuSGD is not bundled; build it yourself and pass it as optimizer=",
     "muon": "DeepSpeed's Muon (with its auxiliary Adam for non-matrix parameters) is not implemented; "
     "build torch.optim.Muon over the 2-D parameters yourself and pass it as optimizer=",
-}
+})
 
 # torch.optim classes that cannot serve as the engine's optimizer (closure-only or sparse-only).
-_EXCLUDED_TORCH = {"Optimizer", "LBFGS", "SparseAdam"}
+_EXCLUDED_TORCH = frozenset({"Optimizer", "LBFGS", "SparseAdam"})
 
 # Which device types each torch class has a fused kernel for.
-_FUSED_DEVICE_TYPES: Dict[type, frozenset] = {
+_FUSED_DEVICE_TYPES: Mapping[type, frozenset] = MappingProxyType({
     torch.optim.Adam: frozenset({"cpu", "cuda"}),
     torch.optim.AdamW: frozenset({"cpu", "cuda"}),
     torch.optim.SGD: frozenset({"cpu", "cuda"}),
     torch.optim.Adagrad: frozenset({"cpu"}),
-}
+})
 
 # DeepSpeed's FusedAdam / DeepSpeedCPUAdam defaults (note weight_decay 0, where torch's AdamW has 1e-2).
-_DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+_DS_ADAM_DEFAULTS = MappingProxyType(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
 # DeepSpeed's FusedLion / DeepSpeedCPULion defaults (the Lion class itself has the paper's).
-_DS_LION_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+_DS_LION_DEFAULTS = MappingProxyType(dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0))
 
 # Accepted for compatibility with DeepSpeed configs, with no effect here.
-_IGNORED_KEYS = {
+_IGNORED_KEYS = MappingProxyType({
     "adam": {"set_grad_none", "fp32_optimizer_states"},
     "lion": {"set_grad_none"},
-}
+})
 
 
 def torch_optimizer_classes() -> Dict[str, Type[torch.optim.Optimizer]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
@@ -406,12 +407,12 @@ class LRRangeTest(_Schedule):
         return [lr * (1 + self.step_rate * interval) for lr in self.min_lr]
 
 
-_DEEPSPEED_SCHEDULES = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
+_DEEPSPEED_SCHEDULES = MappingProxyType({c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)})
 #: DeepSpeed schedule names (matched case-insensitively).
 DEEPSPEED_SCHEDULER_NAMES = tuple(_DEEPSPEED_SCHEDULES)
 
 # torch schedulers that need callables or other schedulers, which a JSON config cannot give.
-_EXCLUDED_TORCH = {"LRScheduler", "_LRScheduler", "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler"}
+_EXCLUDED_TORCH = frozenset({"LRScheduler", "_LRScheduler", "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler"})
 
 
 def _torch_schedulers() -> Dict[str, type]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, Deque, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +19,13 @@ import torch.nn as nn
 from ..errors import ConfigError, DistributedError, ShardspeedError
 
 #: config name -> (torch class name in torch.distributed.pipelining, whether it takes a list of stages per rank)
-SCHEDULES: Dict[str, Tuple[str, bool]] = {
+SCHEDULES: Mapping[str, Tuple[str, bool]] = MappingProxyType({
     "1f1b": ("Schedule1F1B", False),
     "gpipe": ("ScheduleGPipe", False),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
     "zbv": ("ScheduleZBVZeroBubble", True),
     "dualpipev": ("ScheduleDualPipeV", True),
-}
+})
 
 
 class StageChunk(nn.Module):

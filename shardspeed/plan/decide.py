@@ -7,6 +7,7 @@ every contradiction between keys, or between the config and the model's facts, i
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -37,7 +38,7 @@ from .types import (
     ZeroPlusPlan,
 )
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
 
 
 def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,

@@ -13,6 +13,7 @@ shardspeed uses the ZeRO-path semantics for every stage, so a job behaves the sa
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["StaticLossScaler", "DynamicLossScaler", "build_loss_scaler"]
 
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_NAMES = MappingProxyType({torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"})
 
 
 def dtype_name(dtype: Union[torch.dtype, str, None]) -> Optional[str]:

@@ -62,8 +62,8 @@ def _extra_formulas() -> Dict[Any, Callable]:
 
 
 #: Ops counted with FLOPs but no MACs (DeepSpeed's element-wise estimates).
-_ELEMENTWISE = {str(op) for op in _optional_ops("native_layer_norm", "gelu", "relu", "silu", "_softmax",
-                                                 "leaky_relu", "elu", "hardtanh")}
+_ELEMENTWISE = frozenset({str(op) for op in _optional_ops("native_layer_norm", "gelu", "relu", "silu", "_softmax",
+                                                 "leaky_relu", "elu", "hardtanh")})
 
 
 def flop_counter() -> FlopCounterMode:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 DEFAULT_PRECISION = 2
-_MAGNITUDES = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")]
+_MAGNITUDES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
 
 
 def number_to_string(num: float, units: Optional[str] = None, precision: int = DEFAULT_PRECISION) -> str:
@@ -21,7 +21,7 @@ def number_to_string(num: float, units: Optional[str] = None, precision: int = D
             elif num >= 1e-3:
                 magnitude, units = 1e-3, "m"
     else:
-        magnitude = {u: m for m, u in _MAGNITUDES + [(1e-3, "m"), (1e-6, "u")]}.get(units, 1)
+        magnitude = {u: m for m, u in (*_MAGNITUDES, (1e-3, "m"), (1e-6, "u"))}.get(units, 1)
     return f"{round(num / magnitude, precision):g} {units}"
 
 

@@ -15,9 +15,10 @@ from ..checkpointing import configure_from_plan
 from ..comm.collectives import Collectives, CommsLogger
 from ..comm.quantize import BlockCodec
 from ..errors import ConfigError
+from ..mesh.current import CURRENT, EngineScope
 from ..mesh.init import init_distributed
 from ..mesh.mpu import MeshMPU
-from ..mesh.topology import TOPOLOGIES, Topology
+from ..mesh.topology import Topology, TopologyRegistry
 from ..moe.utils import has_moe_layers, largest_ep_size
 from ..monitor.timers import Timers
 from ..offload import OffloadedMasterWeights, OffloadPlan
@@ -39,7 +40,6 @@ from ..plan import (
     decide,
 )
 from ..precision import build_loss_scaler
-from ..utils import groups as ds_groups
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
@@ -174,7 +174,7 @@ def build_engine(
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, plan.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
-    configure_from_plan(plan.checkpointing, model, topo, comms_logger)
+    scope = _scope(plan, model, topo, comms_logger)  # what utils.groups and checkpointing see of the engine
     experts = prepare_experts(model, plan, topo, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
@@ -208,7 +208,7 @@ def build_engine(
         monitor=_monitor(plan, collectives, comms_logger, topo),
         input_check=tp_state.input_check if tp_state is not None else None,
         profile_window=build_profile_window(report.trial, plan.batch, master.units, topo.device),
-        world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None,
+        world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None, scope=scope,
     )
     engine: Engine
     if pipe_plan is not None:
@@ -217,10 +217,17 @@ def build_engine(
     else:
         engine = ForwardEngine(parts) if forward_only else Engine(parts)
         check_attention_on_first_forward(model, topo.sequence_size)  # SP's attention, not the plain one
-    ds_groups.set_topology(topo)
+    CURRENT.register(scope)  # the current engine until destroy()
     if report.config_dump is not None and engine.global_rank == 0:
         logger.info("shardspeed config:\n%s", report.config_dump)
     return engine
+
+
+def _scope(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger) -> EngineScope:
+    """What DeepSpeed's module-level functions (utils.groups, checkpointing) see of the new engine: its topology,
+    its activation checkpointing (configured from the plan), the meshes it shares with the engines alive."""
+    return EngineScope(topo, (configure_from_plan(plan.checkpointing, model, topo, log),
+                              CURRENT.scope().part(TopologyRegistry)))
 
 
 def _trained(model: nn.Module, groups, forward_only: bool):
@@ -305,7 +312,7 @@ def _zero_parts(plan: Plan, model: nn.Module, params: List[nn.Parameter], ties, 
         return timers("backward_allreduce")
 
     if sh.partition_parameters:
-        node = TOPOLOGIES.node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
+        node = CURRENT.scope().part(TopologyRegistry).node_group(topo, sh.zeropp.hpz) if sh.zeropp.hpz > 1 else None
         return build_stage3_units(model, sh, collectives, topo.shard_rank, policy,
                                   placement=_shard_placement(plan.placement, topo.shard_rank),
                                   secondary=Collectives.over(node, collectives.log) if node else None,

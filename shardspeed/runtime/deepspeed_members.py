@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import TYPE_CHECKING, Any, Container, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Container, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..compat.alias import not_provided
 from ..errors import ConfigError, NotProvidedError, ShardspeedError
+from ..mesh.current import CURRENT
 from ..utils.timer import ThroughputTimer
 from .compat_links import link_engine
 from .state_offload import StateOffload
@@ -99,6 +100,7 @@ class DeepSpeedMembers:
     lr_scheduler: Any
     module: Any
     global_steps: int
+    wait_checkpoint: Callable[[], None]
 
     def _init_deepspeed_members(self) -> None:
         self.tput_timer = ThroughputTimer(batch_size=self._p.train_batch_size, steps_per_output=self.steps_per_print())
@@ -106,6 +108,17 @@ class DeepSpeedMembers:
         self._states = StateOffload(self._p.topology.device)
         self._record_overflow(False)
         self._step_applied = False  # no step yet
+
+    def destroy(self) -> None:
+        """End of training (DeepSpeed's name): waits for the save in flight (``wait_checkpoint``); then
+        DeepSpeed's module-level functions (``utils.groups``, ``checkpointing``) no longer answer for this
+        engine (the one built before it, if alive, is current again), and its hooks come off the model (as
+        DeepSpeed's stage-3 optimizer's ``destroy`` removes its module hooks). Call it before destroying process
+        groups."""
+        self.wait_checkpoint()
+        self._p.scope.close()
+        self._p.zero.close()
+        CURRENT.engines.discard(self)
 
     def train_batch_size(self) -> int:
         return self._p.train_batch_size

@@ -426,10 +426,6 @@ class Engine(DeepSpeedMembers, nn.Module):
         """Wait for the asynchronous save in flight, if any, and raise its error on every rank (all call it)."""
         self._p.async_saves.wait(self._p.world_collectives or self._p.collectives)
 
-    def destroy(self) -> None:
-        """End of training (DeepSpeed's name): :meth:`wait_checkpoint`. Call it before destroying process groups."""
-        self.wait_checkpoint()
-
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The module's full state dict in the training dtype, on the CPU, on rank 0; None on the other ranks
         (DeepSpeedEngine's method, which accelerate's ``get_state_dict`` and the Hugging Face Trainer call).

@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..checkpoint.async_save import AsyncSaves
 from ..comm.collectives import Collectives, CommsLogger
 from ..errors import ShardspeedError
+from ..mesh.current import EngineScope
 from ..mesh.topology import Topology
 from ..monitor.timers import Timers
 from ..optim.schedules import SchedulerLike
@@ -61,6 +62,7 @@ class EngineParts:
     async_save: bool = False  # checkpoint.async_save: save_checkpoint's default
     tag_validation: str = "WARN"  # checkpoint.tag_validation: ranks saving under different tags
     async_saves: AsyncSaves = field(default_factory=AsyncSaves)  # the save in flight, its writer group
+    scope: EngineScope = field(default_factory=EngineScope)  # what DeepSpeed's module-level functions see of it
 
 
 def move_inputs(obj, device: torch.device, dtype: torch.dtype):

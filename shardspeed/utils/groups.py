@@ -1,40 +1,48 @@
 """``deepspeed.utils.groups`` for shardspeed: the process groups of the current engine.
 
-Scripts written for DeepSpeed call these module-level functions; here they answer from the current
-topology of the process's :class:`~shardspeed.mesh.topology.TopologyRegistry` (``TOPOLOGIES``): that of
-the last engine :func:`shardspeed.initialize` built (the same object as ``engine.mpu.topology`` when no
-user mpu was given), or the one a ``with using(topology):`` block selects (two engines in one process).
-This module keeps no state of its own. Meanings follow DeepSpeed's pipeline grid (see
-:mod:`shardspeed.mesh.mpu`): "model parallel" is pipe × tensor, which without pipeline stages is the
-tensor-parallel group, as in DeepSpeed's module.
+Scripts written for DeepSpeed call these module-level functions; here they answer from the topology of
+the engine current in the process (:data:`shardspeed.mesh.current.CURRENT`): the last engine
+:func:`shardspeed.initialize` built and ``engine.destroy()`` has not ended (the same object as
+``engine.mpu.topology`` when no user mpu was given), or the one a ``with using(engine):`` block selects
+(two engines in one process). With no engine alive they fail with one line. This module keeps no state of
+its own. Meanings follow DeepSpeed's pipeline grid (see :mod:`shardspeed.mesh.mpu`): "model parallel" is
+pipe × tensor, which without pipeline stages is the tensor-parallel group, as in DeepSpeed's module.
 """
 from __future__ import annotations
 
-from typing import ContextManager, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch.distributed as dist
 
 from ..errors import ShardspeedError
+from ..mesh.current import CURRENT, EngineScope
 from ..mesh.mpu import MeshMPU
-from ..mesh.topology import TOPOLOGIES, Topology
+from ..mesh.topology import Topology
 
 
-def set_topology(topology: Optional[Topology]) -> None:
-    """Make ``topology`` the one these functions answer from (the builder calls this for each engine)."""
-    TOPOLOGIES.set_current(topology)
+def _current() -> Optional[Topology]:
+    scope = CURRENT.get()
+    return scope.topology if scope is not None else None
 
 
 def current_topology() -> Topology:
-    topology = TOPOLOGIES.current()
+    """The current engine's topology; one line when no engine is alive."""
+    topology = _current()
     if topology is None:
-        raise ShardspeedError("shardspeed.utils.groups: no engine yet; call shardspeed.initialize() first")
+        raise ShardspeedError("shardspeed.utils.groups: no engine yet, or every engine was destroyed; call "
+                              "shardspeed.initialize() first")
     return topology
 
 
-def using(topology: Topology) -> ContextManager[Topology]:
-    """``with using(engine.mpu.topology):`` these functions answer for that engine in the block (the
-    current engine's again after it)."""
-    return TOPOLOGIES.using(topology)
+def using(target: Any) -> ContextManager[EngineScope]:
+    """``with using(engine):`` (or ``using(engine.mpu.topology)``) these functions answer for that engine in
+    the block (the current engine's again after it)."""
+    topology = target if isinstance(target, Topology) else getattr(target, "topology", None)
+    if not isinstance(topology, Topology):
+        raise ShardspeedError(f"shardspeed.utils.groups.using: expected an engine or a Topology, got "
+                              f"{type(target).__name__}")
+    scope = next((s for s in CURRENT.alive() if s.topology is topology), None)
+    return CURRENT.using(scope if scope is not None else EngineScope(topology))
 
 
 def _mpu() -> MeshMPU:
@@ -139,7 +147,7 @@ def get_sequence_parallel_rank() -> int:
 
 def get_sequence_parallel_world_size() -> int:
     """1 when the current engine's mesh has no sequence dimension (DeepSpeed answers 1 without one too)."""
-    topology = TOPOLOGIES.current()
+    topology = _current()
     return topology.sequence_size if topology is not None else 1
 
 
@@ -174,7 +182,7 @@ def _expert_topology(group_name: Optional[str] = None) -> Topology:
 
 def _get_max_expert_size() -> int:
     """The mesh's expert dimension (1: none)."""
-    topology = TOPOLOGIES.current()
+    topology = _current()
     return topology.expert_size if topology is not None else 1
 
 

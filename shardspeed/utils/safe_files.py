@@ -24,8 +24,8 @@ import socket
 import tempfile
 from typing import Callable, Iterator, Optional
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = int(getattr(os, "O_NOFOLLOW", 0))
+_CLOEXEC = int(getattr(os, "O_CLOEXEC", 0))
 
 
 def create_new(path: str, flags: int = os.O_WRONLY, mode: int = 0o666) -> int:

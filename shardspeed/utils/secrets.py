@@ -6,7 +6,7 @@ from typing import Any
 
 MASK = "***"
 #: Keys whose value is a secret, compared case-insensitively; also any key ending in one of _SUFFIXES.
-_NAMES = {"api_key", "apikey", "token", "password", "passwd", "secret", "credentials", "auth"}
+_NAMES = frozenset({"api_key", "apikey", "token", "password", "passwd", "secret", "credentials", "auth"})
 _SUFFIXES = ("_key", "_token", "_password", "_secret")
 
 

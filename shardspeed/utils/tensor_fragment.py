@@ -1,8 +1,9 @@
 """``deepspeed.utils.safe_get_full_fp32_param`` and its siblings: a parameter's full fp32 master weights or
 optimizer state, read or written from the parameter alone, at every ZeRO stage.
 
-The engine links each parameter of its model to itself (:func:`link_engine`, a weak reference under
-``ds_engine``). A getter assembles the full tensor from the pieces this rank owns (every rank must call it, as in
+The engine registers itself (:func:`link_engine`) with the process's one holder, weakly
+(:data:`shardspeed.mesh.current.CURRENT`'s ``engines``); a function asks the engines alive whose parameter it
+was given (nothing on the tensor points at its engine). A getter assembles the full tensor from the pieces this rank owns (every rank must call it, as in
 DeepSpeed: one all-reduce over the data-parallel group when the parameter is sharded); a setter writes this
 rank's pieces and, for the weights, refreshes the model's parameters from the masters (a collective too).
 ``safe_get_full_grad`` reads the reduced gradient the next step will use. Not provided: the gradient setters,
@@ -11,29 +12,32 @@ functions with the tiled ``offload_optimizer`` store (Adam/AdamW offload), each 
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from ..compat.alias import module_getattr, not_provided
 from ..errors import ConfigError
-
-ENGINE_ATTR = "ds_engine"
+from ..mesh.current import CURRENT
 
 
 def link_engine(engine: Any) -> None:
     """Let the functions here find ``engine`` from any parameter of its model."""
-    ref = weakref.ref(engine)
-    for p in engine.module.parameters():
-        setattr(p, ENGINE_ATTR, ref)
+    CURRENT.engines.add(engine)
+
+
+def _engine_of(param: torch.Tensor) -> Any:
+    """The live engine whose model holds ``param``, else None."""
+    for engine in list(CURRENT.engines):
+        if any(p is param for p in engine.module.parameters()):
+            return engine
+    return None
 
 
 def _view(param: torch.Tensor, fn: str):
     from ..checkpoint.engine_view import EngineView
 
-    ref = getattr(param, ENGINE_ATTR, None)
-    engine = ref() if ref is not None else None
+    engine = _engine_of(param)
     if engine is None:
         raise ConfigError(f"{fn}: this parameter belongs to no shardspeed engine; call it on a parameter of the "
                           "model passed to initialize()")

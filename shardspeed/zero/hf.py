@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -61,9 +62,9 @@ def _checkpoint_files(path: str, hub: Dict[str, Any]) -> List[str]:
     return list(files)
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+_ST_DTYPES = MappingProxyType({"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool})
 
 
 class _SafetensorsFile:

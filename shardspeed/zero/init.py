@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.collectives import Collectives
 from ..errors import CheckpointError, ShardspeedError
+from ..mesh.current import CURRENT
 from ..mesh.init import init_distributed
 from ..mesh.topology import Topology
 from .tags import in_stage3_unit, init_shard_of, is_sharded, tag_init_shard  # init_shard_of: also imported from here
@@ -118,7 +119,7 @@ def _prop(name, which):
 
 
 #: calls that read only a tensor's metadata (or return an alias with the same shape): run on the placeholder
-_METADATA = {f for f in (
+_METADATA = frozenset({f for f in (
     *(_fn(torch.Tensor, n) for n in (
         "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
         "is_contiguous", "ndimension", "type", "get_device", "data_ptr", "untyped_storage", "storage_offset",
@@ -131,12 +132,12 @@ _METADATA = {f for f in (
                             "is_nested", "output_nr", "_version")
       for w in ("__get__", "__set__")),
     torch.numel, torch.is_floating_point, torch.is_complex,
-) if f is not None}
+) if f is not None})
 
 #: in-place calls that overwrite every element of their first argument: the whole copy need not be gathered
-_OVERWRITE = {f for f in (_fn(torch.Tensor, n) for n in (
+_OVERWRITE = frozenset({f for f in (_fn(torch.Tensor, n) for n in (
     "normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "log_normal_", "cauchy_",
-    "geometric_", "bernoulli_", "set_")) if f is not None}
+    "geometric_", "bernoulli_", "set_")) if f is not None})
 
 
 class _Record:
@@ -174,11 +175,9 @@ class _PlaceholderMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_active: List[Init] = []  # the Init contexts entered and not yet exited (innermost last)
-
-
 def active_init() -> Optional[Init]:
-    return _active[-1] if _active else None
+    """The innermost Init context open (kept by :data:`shardspeed.mesh.current.CURRENT`), or None."""
+    return CURRENT.inits[-1] if CURRENT.inits else None
 
 
 class Init:
@@ -270,7 +269,7 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        if _active:  # nested: the outer context already shards everything
+        if CURRENT.inits:  # nested: the outer context already shards everything
             self._nested = True
             return self
         self._setup()
@@ -278,13 +277,13 @@ class Init:
         self._handles.extend(_patch_from_pretrained())
         self._mode = _PlaceholderMode(self)
         self._mode.__enter__()
-        _active.append(self)
+        CURRENT.inits.append(self)
         return self
 
     def __exit__(self, *exc):
         if not self.enabled or self._nested:
             return False
-        _active.remove(self)
+        CURRENT.inits.remove(self)
         try:
             if self._mode is not None:
                 self._mode.__exit__(*exc)

@@ -34,11 +34,11 @@ from ..comm.collectives import Collectives
 from ..comm.quantize import BlockCodec
 from ..comm.quantized import QuantizedGather
 from ..errors import ShardspeedError
+from ..mesh.current import CURRENT
 from .agreement import GatherAgreements
 from .gather_order import BACKWARD, FORWARD, GatherOrder
 from .hooks import Undo, flatten_tensors, holders, register_post_backward, watch_parameter_reads, within
 from .init import warn_sharded_state_dict
-from .live_roots import ROOTS
 from .owned_unit import OwnedUnit, ReducePolicy, ShardedState, TrainingState
 from .reductions import ReductionQueue
 from .unit import FlatParamUnit
@@ -98,7 +98,7 @@ class ZeroRoot:
         self._needs = self._modules_needing_units() if module is not None else {}
         if module is not None:
             self.install_hooks()
-            ROOTS.add(self)  # GatheredParameters finds a parameter's unit by asking the live roots
+            CURRENT.roots.add(self)  # GatheredParameters finds a parameter's unit by asking the live roots
 
     def _own(self, unit: FlatParamUnit, gather: Optional[GatherPolicy], quantized: Optional[QuantizedGather],
              secondary: Optional[Collectives]) -> OwnedUnit:
@@ -157,7 +157,7 @@ class ZeroRoot:
 
     def close(self) -> None:
         """Take every hook off; GatheredParameters no longer finds these units."""
-        ROOTS.discard(self)
+        CURRENT.roots.discard(self)
         self.remove_hooks()
         for h in self._grad_hooks:
             h.remove()

@@ -20,6 +20,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
+from types import MappingProxyType
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -63,7 +64,7 @@ def _stand_class(module: str, name: str) -> type:
 #: what ``torch.save`` files name besides DeepSpeed's classes: torch's tensor machinery (its rebuild
 #: functions, ``Parameter``, ``Size``, ``device``, storages and dtypes are matched by kind below), containers,
 #: and ``argparse.Namespace`` (training scripts save their ``args``; it only sets attributes)
-_ALLOWED = {
+_ALLOWED = MappingProxyType({
     "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
                      "_rebuild_parameter_with_state", "_rebuild_sparse_tensor", "_rebuild_meta_tensor_no_storage",
                      "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_qtensor", "_rebuild_nested_tensor",
@@ -77,7 +78,7 @@ _ALLOWED = {
     "_codecs": {"encode"},  # bytes in a protocol-2 pickle
     "argparse": {"Namespace"},
     "builtins": {n.split(".", 1)[1] for n in SAFE_BUILTINS},
-}
+})
 
 
 def _is_torch_kind(module: str, name: str) -> bool:

@@ -24,11 +24,11 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 Z3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 #: what DeepSpeed writes into the model-states file besides the client's own keys
-DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "autoep_layers",
-           "param_alignment_paddings", "num_experts", "ds_autoep_layers"}
+           "param_alignment_paddings", "num_experts", "ds_autoep_layers"})
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 #: a torch optimizer group's keys that choose its implementation, not the math: each side keeps its own
 IMPL_KEYS = ("params", "param_names", "fused", "foreach", "capturable", "differentiable")

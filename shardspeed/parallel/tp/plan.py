@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 
@@ -32,7 +33,7 @@ class Rule:
 
 
 #: Built-in plans by name (``tensor_parallel.preset_model``); ``shardspeed_gpt`` is shardspeed.models.GPT.
-PRESETS: Dict[str, Tuple[Rule, ...]] = {
+PRESETS: Mapping[str, Tuple[Rule, ...]] = MappingProxyType({
     "shardspeed_gpt": (
         Rule(r"(.*\.)?attn\.c_attn$", "qkv", 3), Rule(r"(.*\.)?attn\.c_proj$", "row"),
         Rule(r"(.*\.)?mlp\.c_fc$", "column"), Rule(r"(.*\.)?mlp\.c_proj$", "row"),
@@ -48,11 +49,11 @@ PRESETS: Dict[str, Tuple[Rule, ...]] = {
         Rule(r"(.*\.)?(gate|up)_proj$", "column"), Rule(r"(.*\.)?down_proj$", "row"),
         Rule(r"(.*\.)?embed_tokens$", "embedding"), Rule(r"(.*\.)?(lm_head|embed_out)$", "head"),
     ),
-}
+})
 #: Hugging Face ``config.model_type`` values with Llama's layer names.
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2", "phi3")
-_SPEC_KEYS = {"patterns", "partition_type", "shape", "gather_output"}
-_CONFIG_KEYS = {"layer_specs", "use_default_specs", "strict_mode"}
+_SPEC_KEYS = frozenset({"patterns", "partition_type", "shape", "gather_output"})
+_CONFIG_KEYS = frozenset({"layer_specs", "use_default_specs", "strict_mode"})
 
 
 def preset_name(model: Any, preset_model: Optional[str] = None) -> Optional[str]:

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ...errors import ConfigError
 from ...mesh.init import init_distributed
 from ...mesh.mpu import MeshMPU
-from ...mesh.topology import TOPOLOGIES, mesh_dims
+from ...mesh.topology import Topology, mesh_dims
 from ...parallel.sp import (
     SequenceTiledCompute,
     TiledFusedLogitsLoss,
@@ -56,7 +56,7 @@ def sequence_parallel_mpu(sequence_parallel_size: int) -> MeshMPU:
     """The mesh of the world with a sequence dimension of ``sequence_parallel_size`` (data = world / P), as
     an mpu for ``initialize(mpu=...)``; the same groups ``initialize`` builds from the config key (collective)."""
     init_distributed()
-    return MeshMPU(TOPOLOGIES.mesh(1, 1, mesh_dims({}, ("sequence",)), int(sequence_parallel_size)))
+    return MeshMPU(Topology.from_mesh(dims=mesh_dims({}, ("sequence",)), sequence=int(sequence_parallel_size)))
 
 
 class UlyssesSPAttentionHF(nn.Module):
