@@ -1,20 +1,14 @@
 """Owned state (issue 22): the parameter tags go through shardspeed.zero.tags; the process-wide state of
 DeepSpeed's module-level APIs is the current engine's (``shardspeed.mesh.current.CURRENT``: its topology,
-its activation checkpointing, the meshes the engines alive share); two engines with different meshes live
-in one process and each trains as it does alone.
+its activation checkpointing, the meshes the engines alive share). Two engines with different meshes in one
+process, each training as it does alone: tests/test_two_engines.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
-from tp_models import lm_loss, make_tp_model, tp_batches, tp_config, tp_reference
 
 from shardspeed.errors import ShardspeedError
-
-#: the two engines of one process at world 4: pure data parallelism (data 4), and data 2 × model 2
-#: (tensor_parallel.autotp_size 2); both ZeRO stage 3, so two roots hold units side by side
-ENGINES = {"dp": 1, "tp": 2}
 
 
 # ---- no process group -----------------------------------------------------------------------------
@@ -71,80 +65,3 @@ def test_checkpointing_state_is_one_object():
     assert own.tracker is not ck.get_cuda_rng_tracker()
     nxt = own.successor()  # a later engine's: the same tracker, the settings and group carried over
     assert nxt.tracker is own.tracker and nxt.settings == own.settings and nxt.configured
-
-
-# ---- world 4: two engines with different meshes in one process --------------------------------------
-def _build(name: str):
-    import shardspeed
-
-    engine, *_ = shardspeed.initialize(model=make_tp_model("gpt"), config=tp_config(ENGINES[name], 3))
-    return engine
-
-
-def _step(engine, x, y) -> float:
-    """One step of the global batch ``(x, y)``, each data rank its part; the global mean loss."""
-    import torch.distributed as dist
-
-    dp, r = engine.dp_world_size, engine.mpu.get_data_parallel_rank()
-    n = x.shape[0] // dp
-    loss = lm_loss("gpt", engine, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
-    engine.backward(loss)
-    engine.step()
-    total = loss.detach().float().clone()
-    dist.all_reduce(total)  # the tensor-parallel ranks hold equal losses: the world mean is the data mean
-    return float(total) / dist.get_world_size()
-
-
-def _alone(name: str):
-    engine = _build(name)
-    return [_step(engine, x, y) for x, y in tp_batches()]
-
-
-def _together():
-    import shardspeed.utils.groups as groups
-    from shardspeed.mesh.topology import Topology, TopologyRegistry
-    from shardspeed.zero.live_roots import unit_of
-
-    engines = {name: _build(name) for name in ENGINES}  # both built before either trains
-    losses: dict = {name: [] for name in engines}
-    for x, y in tp_batches():  # interleaved: a step of one, then a step of the other
-        for name, engine in engines.items():
-            losses[name].append(_step(engine, x, y))
-    dp, tp = engines["dp"], engines["tp"]
-    out = {"losses": losses, "shapes": {n: e.mpu.topology.mesh_shape for n, e in engines.items()},
-           "dp_sizes": {n: e.dp_world_size for n, e in engines.items()}}
-    # each engine's parameters are tagged with its own manager
-    out["own_manager"] = all(unit_of(p)[1] is e.param_manager
-                             for e in engines.values() for p in e.module.parameters())
-    # DeepSpeed's module-level groups answer for the latest engine, or the one selected
-    out["groups_latest"] = groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_world_size()
-    with groups.using(dp.mpu.topology):
-        out["groups_using_dp"] = groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_world_size()
-    out["groups_after"] = groups.get_data_parallel_world_size()
-    # the same mesh again: the same Topology (no new groups); a registry of one's own builds its own
-    out["mesh_reused"] = Topology.from_mesh(pipe=1, model=2) is tp.mpu.topology
-    own = Topology.from_mesh(pipe=1, model=2, registry=TopologyRegistry())
-    out["own_registry"] = own is not tp.mpu.topology and own.mesh_shape == (1, 2, 2)
-    return out
-
-
-@pytest.fixture(scope="module")
-def runs():
-    together = run_distributed(_together, 4, timeout=300)
-    alone = {name: run_distributed(_alone, 4, name, timeout=300) for name in ENGINES}
-    return together, alone
-
-
-def test_two_engines_with_different_meshes_in_one_process(runs):
-    together, alone = runs
-    ref = tp_reference("gpt")["losses"]
-    for r, res in enumerate(together):
-        assert res["shapes"] == {"dp": (1, 4, 1), "tp": (1, 2, 2)} and res["dp_sizes"] == {"dp": 4, "tp": 2}
-        for name in ENGINES:
-            # exactly the losses of the engine trained alone in its own process, and the reference's
-            assert res["losses"][name] == alone[name][r], (r, name, res["losses"][name], alone[name][r])
-            torch.testing.assert_close(torch.tensor(res["losses"][name]), torch.tensor(ref), rtol=1e-5, atol=0,
-                                       msg=lambda m, r=r, name=name: f"rank {r} engine {name}: {m}")
-        assert res["own_manager"]
-        assert res["groups_latest"] == (2, 2) and res["groups_using_dp"] == (4, 1) and res["groups_after"] == 2
-        assert res["mesh_reused"] and res["own_registry"]

@@ -75,6 +75,7 @@ def _cases() -> dict:
     import shardspeed.utils.groups as groups
     from shardspeed.errors import ShardspeedError
     from shardspeed.mesh.topology import Topology
+    from shardspeed.zero.live_roots import unit_of
 
     ck.configure(None, num_checkpoints=3)  # Megatron-style, before any engine: the first engine takes it over
     tracker = ck.get_cuda_rng_tracker()
@@ -105,7 +106,11 @@ def _cases() -> dict:
         seen["using_dp"] = _groups()
     seen["after_using"] = _groups()
     seen["mesh_shared"] = Topology.from_mesh(pipe=1, model=2) is tp.topology  # the engines alive share groups
+    # a stage-3 parameter's unit is found by its own engine's root (nothing on the tensor points at it)
+    seen["own_root"] = all(unit_of(p) is not None and unit_of(p)[1] is tp.param_manager for p in tp.module.parameters())
+    seen["stage2_not_stage3"] = dp.param_manager is None and all(unit_of(p) is None for p in dp.module.parameters())
     tp.destroy()
+    seen["root_gone"] = all(unit_of(p) is None for p in tp.module.parameters())  # destroy() closed the root
     seen["after_tp_destroyed"] = _groups()
     dp.destroy()
     seen["checkpointing"] = taken_over, ck.is_configured()  # after the last destroy(): as before any engine
@@ -135,5 +140,6 @@ def test_two_engines_in_one_process_each_as_alone():
         assert "no engine yet, or every engine was destroyed" in seen["after_all_destroyed"], seen
         assert "\n" not in seen["after_all_destroyed"]
         assert seen["checkpointing"] == (True, False), seen
+        assert seen["own_root"] and seen["stage2_not_stage3"] and seen["root_gone"], seen
     # the engines differ: the reference model is not the policy, the two meshes' engines are not one
     assert results[0]["together"]["ref"] != results[0]["together"]["policy"]
