@@ -25,9 +25,13 @@ def test_tags_set_read_clear():
     tags.clear_init_shard(p)
     tags.clear_init_shard(p)  # nothing left: a no-op
     assert not hasattr(p, "_shardspeed_init") and not tags.is_sharded(p)
-    tags.mark_stage3([p], tags.ZeroParamStatus.NOT_AVAILABLE)  # a unit took it: DeepSpeed's attributes only
-    assert tags.in_stage3_unit(p) and tags.is_sharded(p) and p.ds_active_sub_modules == set()
-    assert not any(k.startswith("_shardspeed") for k in vars(p))  # nothing on the tensor points at its unit
+    q = torch.nn.Parameter(torch.zeros(2, 3))
+    tags.mark_stage3([q], [q.shape], tags.ZeroParamStatus.NOT_AVAILABLE)  # a unit took it: DeepSpeed's attributes
+    assert tags.in_stage3_unit(q) and tags.is_sharded(q) and q.ds_active_sub_modules == set()
+    assert (q.ds_shape, q.ds_numel, q.ds_id) == (torch.Size([2, 3]), 6, id(q))
+    q.data = torch.empty(0)  # a placeholder: DeepSpeed's attributes keep the whole shape
+    assert q.ds_shape == torch.Size([2, 3])
+    assert not any(k.startswith("_shardspeed") for k in vars(q))  # nothing on the tensor points at its unit
     from shardspeed.zero.init import init_shard_of
 
     assert init_shard_of is tags.init_shard_of  # zero.init's name for it is the same function

@@ -107,7 +107,8 @@ def _cases() -> dict:
     seen["after_using"] = _groups()
     seen["mesh_shared"] = Topology.from_mesh(pipe=1, model=2) is tp.topology  # the engines alive share groups
     # a stage-3 parameter's unit is found by its own engine's root (nothing on the tensor points at it)
-    seen["own_root"] = all(unit_of(p) is not None and unit_of(p)[1] is tp.param_manager for p in tp.module.parameters())
+    seen["own_root"] = all(unit_of(p) is not None and unit_of(p)[1] is tp.param_manager and p.ds_numel > 0
+                           and p.ds_id == id(p) for p in tp.module.parameters())  # and DeepSpeed's attributes
     seen["stage2_not_stage3"] = dp.param_manager is None and all(unit_of(p) is None for p in dp.module.parameters())
     tp.destroy()
     seen["root_gone"] = all(unit_of(p) is None for p in tp.module.parameters())  # destroy() closed the root

@@ -42,11 +42,13 @@ def set_status(params: Iterable[torch.Tensor], status: ZeroParamStatus) -> None:
         p.ds_status = status  # type: ignore[attr-defined]
 
 
-def mark_stage3(params: Iterable[torch.Tensor], status: ZeroParamStatus) -> None:
-    """A unit took ``params``: give them DeepSpeed's two per-parameter ZeRO-3 attributes. shardspeed counts
-    uses per unit, not per parameter, so ``ds_active_sub_modules`` is present and empty, as DeepSpeed's is
-    outside a forward (TRL clears it before generating)."""
-    for p in params:
+def mark_stage3(params: Iterable[torch.Tensor], shapes: Iterable, status: ZeroParamStatus) -> None:
+    """A unit took ``params`` (whole shapes ``shapes``): give them DeepSpeed's per-parameter ZeRO-3 attributes
+    (:func:`set_ds_attributes`, ``ds_status``). shardspeed counts uses per unit, not per parameter, so
+    ``ds_active_sub_modules`` is present and empty, as DeepSpeed's is outside a forward (TRL clears it before
+    generating)."""
+    for p, shape in zip(params, shapes):
+        set_ds_attributes(p, shape)
         p.ds_status = status  # type: ignore[attr-defined]
         if not hasattr(p, "ds_active_sub_modules"):
             p.ds_active_sub_modules = set()  # type: ignore[attr-defined]

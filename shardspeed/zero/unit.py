@@ -131,7 +131,7 @@ class ShardedParamUnit(FlatParamUnit):
             self.placement = placement
             self._buffer = self.full
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-            mark_stage3(self.params, ZeroParamStatus.AVAILABLE)
+            mark_stage3(self.params, self.shapes, ZeroParamStatus.AVAILABLE)
             self.release()
             return
         # Assemble this rank's chunk one parameter at a time: peak memory is one whole parameter.
@@ -158,7 +158,7 @@ class ShardedParamUnit(FlatParamUnit):
         for p in self.params:
             p.data = self._placeholder
         self.state = UnitState.SHARDED
-        mark_stage3(self.params, ZeroParamStatus.NOT_AVAILABLE)
+        mark_stage3(self.params, self.shapes, ZeroParamStatus.NOT_AVAILABLE)
 
     def release(self) -> None:
         """Drop the gathered parameters: placeholders in ``.data``, the buffer's storage freed (views that
