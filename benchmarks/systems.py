@@ -199,7 +199,7 @@ def shardspeed_has_offload() -> bool:
 
 
 def shardspeed_has_stage3() -> bool:
-    return importlib.util.find_spec("shardspeed.zero.root") is not None
+    return any(importlib.util.find_spec(f"shardspeed.zero.{m}") is not None for m in ("root", "stage3"))
 
 
 class ShardspeedSystem(System):
