@@ -104,6 +104,7 @@ class OwnedUnit:
     def __init__(self, unit: FlatParamUnit, comm: Collectives, *, gather_comm: Optional[Collectives] = None,
                  secondary: Optional[Collectives] = None, persistent: bool = False):
         self.unit = unit
+        self._sharded = isinstance(unit, ShardedParamUnit)  # stage 3: gathered and released around use
         self.index = unit.index
         self.comm = comm
         self.gather_comm = gather_comm if gather_comm is not None else comm
@@ -139,12 +140,12 @@ class OwnedUnit:
 
     @property
     def gathering(self) -> bool:
-        return isinstance(self.unit, ShardedParamUnit) and self.unit.gathering
+        return self._sharded and self.unit.gathering  # type: ignore[attr-defined]
 
     @property
     def held(self) -> bool:
-        """Gathered or on the way."""
-        return self.sharded_state is not ShardedState.SHARDED
+        """Gathered or on the way (asked for every unit at every gather: kept to two attribute reads)."""
+        return self.unit.state is UnitState.GATHERED or (self._sharded and self.unit.gathering)  # type: ignore[attr-defined]
 
     def start_gather(self) -> None:
         """Issue the unit's all-gather (asynchronously); nothing to do when it is held."""
