@@ -27,8 +27,13 @@ def link_engine(engine: Any) -> None:
 
 
 def _engine_of(param: torch.Tensor) -> Any:
-    """The live engine whose model holds ``param``, else None."""
-    for engine in list(CURRENT.engines):
+    """The live engine whose model holds ``param``, else None: a trained parameter through its root's map (one
+    look-up), any other (frozen at stages 0-2) by a scan of the model's parameters."""
+    engines = list(CURRENT.engines)
+    for engine in engines:
+        if engine.reducer.unit_of(param) is not None:
+            return engine
+    for engine in engines:
         if any(p is param for p in engine.module.parameters()):
             return engine
     return None

@@ -63,7 +63,8 @@ class ReductionQueue:
         self._hooks_to_come = 0
 
     def begin(self, guess: Optional[List[int]]) -> None:
-        """A backward starts; ``guess``: the order it will likely complete units in (until one has)."""
+        """A backward starts; ``guess``: the order it will likely complete units in (given until the order is
+        learned)."""
         if guess is not None and not self.order_learned:  # the same guess on every rank
             self.order = [i for i in guess if self.owned[i].unit.grad_params]
         self._next_launch = 0
@@ -74,8 +75,7 @@ class ReductionQueue:
     def fill(self, o: OwnedUnit) -> None:
         """Give ``o`` a bucket, within the bound. Stages 2-3 take a fresh one uninitialised (``o.written``
         says which parameters' views hold gradients); stages 0-1 keep one zeroed buffer summing micro-steps."""
-        n = o.unit.layout.padded_numel
-        self._make_room(n)
+        self._make_room(o.unit.layout.padded_numel)
         self._take(o)
 
     def _take(self, o: OwnedUnit) -> None:

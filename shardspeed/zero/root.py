@@ -65,7 +65,6 @@ class ZeroRoot:
                  secondary: Optional[Collectives] = None):
         self.comm = collectives
         self.policy = policy
-        self.world = collectives.world
         self.sharded = module is not None  # stage 3
         quantized = QuantizedGather(collectives, gather.weight_codec) \
             if gather is not None and gather.weight_codec is not None else None  # qwZ
@@ -386,7 +385,8 @@ class ZeroRoot:
         self._in_backward = True
         self._grads_in_backward = False
         self._reduce_now = self.policy.every_micro_step or bool(self._sync_policy())
-        self.reductions.begin(self.order.backward_guess(len(self.owned)) if self.sharded else None)
+        guess = self.sharded and not self.reductions.order_learned  # once the order is learned, no guess
+        self.reductions.begin(self.order.backward_guess(len(self.owned)) if guess else None)
         for o in self.owned:
             o.start_backward()
         if self.sharded:
