@@ -212,9 +212,10 @@ class MasterWeights:
         norm, coef = self.grad_coefficient(grads, loss_scale, clip)
         if coef is None:
             return StepResult(True, norm)
-        if self.gather_after_step and len(self.units) > 1:
+        if self.gather_after_step and len(self.units) > 1 and not getattr(self.optimizer, "steps_whole", False):
             # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
-            # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces)
+            # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces); not for an
+            # optimizer that exchanges across units in its step (Muon's whole matrices)
             handles = []
             for ui in range(len(self.units)):
                 self._attach_grads(ui, grads[ui], coef)
