@@ -79,6 +79,10 @@ def _ours_job(tmp: str) -> dict:
         out[f"theory{stage}"] = sum(b - a for m in ex.matrices for r, a, b in m.spans
                                     if r != m.owner and ex.rank in (r, m.owner))
         out[f"all_to_all{stage}"] = engine.comms_logger.summary().get("all_to_all", {})
+        held = torch.tensor([float(sum(v.numel() * v.element_size() for st in engine.optimizer.state.values()
+                                       for v in st.values() if torch.is_tensor(v) and v.dim() > 0))])
+        dist.all_reduce(held)
+        out[f"state_bytes{stage}"] = int(held)
     model = make_model("tied")
     engine, *_ = shardspeed.initialize(model=model, config=_config(0, "standard"), model_parameters=model.parameters())
     out["standard"] = _train(engine, batches)
@@ -188,6 +192,22 @@ def test_routing_is_deepspeeds():
     assert use_muon("model.layers.0.mlp.up_proj.weight", m) and use_muon("conv.weight", torch.zeros(2, 2, 3, 3))
     assert not use_muon("model.embed_tokens.weight", m) and not use_muon("lm_head.weight", m)
     assert not use_muon("model.layers.0.mlp.up_proj.bias", v) and not use_muon("norm.weight", v)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_estimator_prices_muon_state_as_the_engine_holds_it(ours, stage):
+    from shardspeed.estimate import ActivationProfile, estimate_peak
+    from shardspeed.estimate.model import describe_module
+
+    cfg = _config(stage)
+    no_activations = ActivationProfile(0.0, 0.0, 2, 8, False, "fitted")  # the autotuner's structural prior
+    spec = describe_module(make_model("tied"), cfg).with_activations(no_activations)
+    muon = sum(p.numel() for n, p in make_model("tied").named_parameters() if n in ("wte.weight", "wpe.weight")
+               or n.startswith("block.") and p.dim() == 2)
+    assert spec.muon_numel == muon and ours[f"state_bytes{stage}"] == 4 * muon + 8 * (spec.num_params - muon)
+    est = estimate_peak(spec, cfg, world_size=2).model_states["optimizer"]
+    adamw = estimate_peak(spec, dict(cfg, optimizer={"type": "AdamW"}), world_size=2).model_states["optimizer"]
+    assert 2 * est == ours[f"state_bytes{stage}"] and adamw - est == 4 * muon / 2
 
 
 def test_stage0_exchanges_nothing(ours):

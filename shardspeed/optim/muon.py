@@ -36,9 +36,11 @@ MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "muon_lr", "adam_lr"
 
 
 def use_muon(name: str, param: torch.Tensor) -> bool:
-    """DeepSpeed's routing: a matrix (2+ dimensions) not named like an embedding or the LM head."""
+    """DeepSpeed's routing: a matrix (2+ dimensions: the layer's shape, ``ds_shape`` when zero.Init has
+    partitioned it) not named like an embedding or the LM head."""
     low = name.lower()
-    return param.dim() >= 2 and "embed" not in low and "lm_head" not in low
+    ndim = len(getattr(param, "ds_shape", param.shape))
+    return ndim >= 2 and "embed" not in low and "lm_head" not in low
 
 
 def muon_config(params: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], bool]:
