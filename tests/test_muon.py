@@ -31,9 +31,10 @@ from models import make_batches, make_model, micro_batch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 STEPS, LR, ADAM_LR = 10, 0.02, 0.01
-#: fp32 against fp32: the two sides reduce and sum in other orders (measured up to 2e-6 on losses about 3.5)
-TOL = 2e-5
-#: ns_method "standard" (bf16) against torch's bf16 iteration (one addmm where DeepSpeed writes two ops): 2e-3 measured
+#: fp32 against fp32, absolute, on losses of 9-11: the sides reduce and sum in other orders (measured: the torch
+#: reference 1.9e-6, DeepSpeed 9.5e-7)
+TOL = 1e-5
+#: ns_method "standard" (bf16) against torch's bf16 iteration (one addmm where DeepSpeed writes two ops): 1.5e-3 measured
 BF16_TOL = 1e-2
 
 
@@ -185,16 +186,16 @@ def ours(tmp_path_factory):
 def test_muon_equals_torch_muon_and_adamw_at_each_stage(ours, reference, stage):
     ref = reference["fp32"]
     assert ref[-1] < ref[0] - 0.5  # it trains
-    torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ref), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ref), rtol=0, atol=TOL)
 
 
 def test_gradient_accumulation_equals_the_reference(ours, reference):
-    torch.testing.assert_close(torch.tensor(ours["gas"]), torch.tensor(reference["fp32"]), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(torch.tensor(ours["gas"]), torch.tensor(reference["fp32"]), rtol=0, atol=TOL)
 
 
 def test_standard_ns_method_equals_torch_muon_in_bf16(ours, reference):
     ref = reference["bf16"]
-    torch.testing.assert_close(torch.tensor(ours["standard"]), torch.tensor(ref), rtol=BF16_TOL, atol=BF16_TOL)
+    torch.testing.assert_close(torch.tensor(ours["standard"]), torch.tensor(ref), rtol=0, atol=BF16_TOL)
     assert ours["standard"] != ours[0]  # bf16, not the fp32 gram iteration
 
 
@@ -229,6 +230,40 @@ def test_estimator_prices_muon_state_as_the_engine_holds_it(ours, stage):
     assert 2 * est == ours[f"state_bytes{stage}"] and adamw - est == 4 * muon / 2
 
 
+def test_keys_defaults_and_a_groups_own_settings():
+    from types import SimpleNamespace
+
+    from shardspeed.errors import ConfigError
+    from shardspeed.optim import build_optimizer
+
+    w, b = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(4))
+    opt = build_optimizer(SimpleNamespace(type="muon", params={}), [w, b])
+    got = {g["name"]: (g["lr"], g["weight_decay"]) for g in opt.param_groups}
+    assert got == {"muon-params": (0.02, 0.0), "adam-params": (3e-4, 0.0)}
+    assert opt.param_groups[1]["betas"] == (0.9, 0.95) and opt.param_groups[1]["eps"] == 1e-10
+    cfg = SimpleNamespace(type="Muon", params={"lr": 0.1, "adam_lr": 0.2, "weight_decay": 0.01})
+    opt = build_optimizer(cfg, [{"params": [w, b], "lr": 0.5}, {"params": [torch.nn.Parameter(torch.zeros(2))],
+                                                                "weight_decay": 0.0}])
+    got = {g["name"]: (g["lr"], g["weight_decay"]) for g in opt.param_groups}
+    assert got == {"group0-muon-params": (0.5, 0.01), "group0-adam-params": (0.5, 0.01),
+                   "group1-adam-params": (0.2, 0.0)}
+    for params, fragment in (({"nesterov": False}, "optimizer.params.nesterov is not a parameter of 'Muon'"),
+                             ({"per_head_muon": True}, "per_head_muon is not implemented"),
+                             ({"ns_method": "svd"}, "ns_method of 'Muon' must be one of gram, standard"),
+                             ({"betas": [0.9]}, "betas of 'Muon' must be 2 numbers")):
+        with pytest.raises(ConfigError, match=fragment):
+            build_optimizer(SimpleNamespace(type="Muon", params=params), [w, b])
+
+
+def test_matrices_dealt_to_the_rank_holding_most_ties_to_the_least_loaded():
+    from shardspeed.zero.muon_exchange import deal_matrices
+
+    s = torch.Size([4, 4])
+    dealt = deal_matrices([(0, s, ((0, 0, 12), (1, 12, 16))), (0, s, ((0, 0, 8), (1, 8, 16))),
+                           (0, s, ((1, 0, 16),)), (0, s, ((0, 0, 8), (1, 8, 16)))], world=2)
+    assert [m.owner for m in dealt] == [0, 1, 1, 0]  # m1 ties 8/8: rank 1 has less; m3 ties: rank 0 has less
+
+
 def test_stage0_exchanges_nothing(ours):
     assert ours["sent0"] == 0 and not ours["all_to_all0"]
 
@@ -245,4 +280,4 @@ def test_muon_equals_deepspeed_at_stages_1_to_3(ours):
     pytest.importorskip("deepspeed")
     ds = run_distributed(_deepspeed_job, 2, timeout=300)[0]
     for stage in (1, 2, 3):
-        torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ds[stage]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ds[stage]), rtol=0, atol=TOL)

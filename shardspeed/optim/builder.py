@@ -247,8 +247,9 @@ def _build_muon(params: Dict[str, Any], groups: List[Any]) -> torch.optim.Optimi
     shape alone (no names: an embedding or LM head with 2 dimensions would go to Muon)."""
     _, _, adam_w_mode = muon_config(params)
     if not all(isinstance(g, Mapping) and "use_muon" in g for g in groups):
-        dicts = [g if isinstance(g, Mapping) else {"params": [g]} for g in groups]
-        groups = split_muon_groups([dict(d, params=list(d["params"])) for d in dicts], {}, params)
+        dicts = [dict(g, params=list(g["params"])) for g in groups if isinstance(g, Mapping)]
+        loose = [g for g in groups if not isinstance(g, Mapping)]
+        groups = split_muon_groups(dicts + ([{"params": loose}] if loose else []), {}, params)
     return MuonWithAuxAdam(groups, adam_w_mode=adam_w_mode)
 
 
