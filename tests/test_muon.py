@@ -10,7 +10,8 @@ LayerNorm and biases go to AdamW.
   ``ns_method: "gram"``, which runs in fp32 on CPU as DeepSpeed's does. One run with ``ns_method: "standard"``
   (bf16, as torch) is held against unmodified torch at a bf16 tolerance;
 - against DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``) at stages 1-3 (its stage 3 needs ``reduce_scatter: false``
-  with Muon; ``torch.compile`` of its Muon step is switched off, which leaves its math as it is);
+  with Muon; ``torch.compile`` of its Muon step is switched off, which leaves its math as it is), and with its
+  default clipping (1.0) at stages 1 and 3, where it takes the norm over the orthogonalised updates;
 - each matrix orthogonalised once in the job (the Newton-Schulz count summed over ranks equals the matrices),
   and the bytes the exchange moves equal the count from the layout;
 - gradient accumulation (stage 3, 2 micro-steps) equals the reference; the estimator prices Muon's state as
@@ -36,6 +37,8 @@ STEPS, LR, ADAM_LR = 10, 0.02, 0.01
 TOL = 1e-5
 #: ns_method "standard" (bf16) against torch's bf16 iteration (one addmm where DeepSpeed writes two ops): 1.5e-3 measured
 BF16_TOL = 1e-2
+#: stages run with DeepSpeed's default clipping (1.0) too: its ZeRO 1-2 and 3 paths clip the orthogonalised updates
+CLIPPED = (1, 3)
 
 
 def _config(stage: int, ns_method: str = "gram", **extra) -> dict:
@@ -88,6 +91,11 @@ def _ours_job(tmp: str) -> dict:
                                        for v in st.values() if torch.is_tensor(v) and v.dim() > 0))])
         dist.all_reduce(held)
         out[f"state_bytes{stage}"] = int(held)
+    for stage in CLIPPED:
+        model = make_model("tied")
+        engine, *_ = shardspeed.initialize(model=model, config=dict(_config(stage), gradient_clipping=1.0),
+                                           model_parameters=model.parameters())
+        out[f"clip{stage}"] = _train(engine, batches)
     model = make_model("tied")
     cfg = dict(_config(3), train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
     engine, *_ = shardspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
@@ -133,6 +141,11 @@ def _deepspeed_job() -> dict:
         model = make_model("tied")
         engine, *_ = deepspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())
         out[stage] = _train(engine, batches)
+    for stage in CLIPPED:
+        model = make_model("tied")
+        engine, *_ = deepspeed.initialize(model=model, config=dict(_config(stage), gradient_clipping=1.0),
+                                          model_parameters=model.parameters())
+        out[f"clip{stage}"] = _train(engine, batches)
     return out
 
 
@@ -281,3 +294,7 @@ def test_muon_equals_deepspeed_at_stages_1_to_3(ours):
     ds = run_distributed(_deepspeed_job, 2, timeout=300)[0]
     for stage in (1, 2, 3):
         torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ds[stage]), rtol=0, atol=TOL)
+    for stage in CLIPPED:  # the norm over the orthogonalised updates clips every step here
+        torch.testing.assert_close(torch.tensor(ours[f"clip{stage}"]), torch.tensor(ds[f"clip{stage}"]), rtol=0,
+                                   atol=TOL)
+        assert max(abs(a - b) for a, b in zip(ours[f"clip{stage}"], ours[stage])) > 0.1

@@ -115,6 +115,8 @@ class MatrixRouter(Protocol):
     def orthogonalize(self, updates: Dict[int, torch.Tensor],
                       fn: Callable[[int, torch.Size, torch.Tensor], torch.Tensor]) -> Dict[int, torch.Tensor]: ...
 
+    def clip_coefficient(self, local_sq: torch.Tensor, clip: float) -> float: ...
+
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon over the groups with ``use_muon`` true, AdamW (or Adam with L2, ``adam_w_mode=False``) over the
@@ -122,6 +124,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     #: the engine steps every piece in one call (the router exchanges all matrices at once)
     steps_whole = True
+    #: at ZeRO 1-3 the engine leaves clipping to the step (``update_clip``): DeepSpeed takes the global norm
+    #: over the orthogonalised Muon updates and the AdamW gradients, and scales both
+    clips_updates = True
 
     def __init__(self, params: Iterable[Dict[str, Any]], adam_w_mode: bool = True):
         groups = [dict(g) for g in params]
@@ -133,6 +138,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.adam_w_mode = adam_w_mode
         self.router: Optional[MatrixRouter] = None
+        self.update_clip = 0.0  # set by the engine before each ZeRO 1-3 step
 
     def bind(self, router: MatrixRouter) -> None:
         """Orthogonalise through ``router`` (the engine's: its pieces are parts of matrices)."""
@@ -144,11 +150,29 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepped, done = self._muon_updates()
+        if self.update_clip > 0 and self.router is not None:
+            self._clip_updates(done)
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group(group)
-        self._muon_groups()
+        for p, group in stepped:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(done[id(p)].reshape(p.shape), alpha=-group["lr"])
         return loss
+
+    def _clip_updates(self, done: Dict[int, torch.Tensor]) -> None:
+        """Scale the Muon updates and the AdamW gradients by DeepSpeed's clip factor of their joint norm."""
+        assert self.router is not None
+        adam = [p.grad for g in self.param_groups if not g["use_muon"] for p in g["params"] if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=next(iter(done.values())).device if done else "cpu")
+        for t in list(done.values()) + adam:
+            sq += t.float().pow(2).sum().to(sq.device)
+        coef = self.router.clip_coefficient(sq, self.update_clip)
+        self.update_clip = 0.0
+        if coef < 1.0:
+            for t in list(done.values()) + adam:
+                t.mul_(coef)
 
     def _adam_group(self, group: Dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
@@ -169,8 +193,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
             p.add_(m_hat / (v_hat.sqrt() + eps), alpha=-lr)
 
-    def _muon_groups(self) -> None:
-        """Momentum and the Nesterov blend per tensor, Newton-Schulz per whole matrix, then decay and step."""
+    def _muon_updates(self) -> Tuple[List[Tuple[torch.Tensor, Dict[str, Any]]], Dict[int, torch.Tensor]]:
+        """Momentum and the Nesterov blend per tensor, Newton-Schulz per whole matrix: the tensors stepped (with
+        their groups) and their updates."""
         updates: Dict[int, torch.Tensor] = {}
         stepped: List[Tuple[torch.Tensor, Dict[str, Any]]] = []
         for group in self.param_groups:
@@ -195,6 +220,4 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     raise ConfigError("MuonWithAuxAdam: a Muon parameter is not a whole matrix and no router is "
                                       "bound; build it through shardspeed.initialize")
             done = {id(p): orthogonalize(updates[id(p)], p.shape, g.get("ns_method", "gram")) for p, g in stepped}
-        for p, group in stepped:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(done[id(p)].reshape(p.shape), alpha=-group["lr"])
+        return stepped, done

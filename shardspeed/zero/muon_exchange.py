@@ -25,6 +25,7 @@ import torch
 
 from ..comm.collectives import Collectives
 from .layout import Piece
+from .master import clip_factor
 from .unit import FlatParamUnit
 
 __all__ = ["Matrix", "MatrixExchange", "deal_matrices"]
@@ -96,6 +97,14 @@ class MatrixExchange:
                 if r != m.owner and rank in (r, m.owner):
                     out += b - a
         return out
+
+    def clip_coefficient(self, local_sq: torch.Tensor, clip: float) -> float:
+        """DeepSpeed's ZeRO 1-3 clip factor over the updates: ``local_sq`` (this rank's sum of squares of its
+        pieces of the orthogonalised updates and of the AdamW gradients) summed over the data group."""
+        local_sq = local_sq.to(self.empty.device)
+        if self.comm is not None:
+            self.comm.all_reduce(local_sq)
+        return clip_factor(float(local_sq.sqrt()), clip, sharded=True)
 
     def _piece_of(self) -> Dict[int, int]:
         return {mi: pid for pid, (mi, _, _) in self.local.items()}
