@@ -104,6 +104,7 @@ def _ours_job(tmp: str) -> dict:
     engine, *_ = shardspeed.initialize(model=model, config=_config(0, "standard"), model_parameters=model.parameters())
     out["standard"] = _train(engine, batches)
     out["resume"] = _resume_job(tmp, batches)
+    out["client"] = _client_job(batches)
     model = make_model("tied")
     try:
         shardspeed.initialize(model=model, config=_config(2, zero_optimization={
@@ -111,6 +112,19 @@ def _ours_job(tmp: str) -> dict:
     except ConfigError as e:
         out["refused"] = str(e)
     return out
+
+
+def _client_job(batches) -> List[float]:
+    """The user's own MuonWithAuxAdam (optimizer=), over groups split as the config's are."""
+    import shardspeed
+    from shardspeed.optim.muon import MuonWithAuxAdam, split_muon_groups
+
+    model = make_model("tied")
+    cfg = _config(2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = MuonWithAuxAdam(split_muon_groups([{"params": list(model.parameters())}], names, cfg.pop("optimizer")["params"]))
+    engine, *_ = shardspeed.initialize(model=model, config=cfg, optimizer=opt)
+    return _train(engine, batches)
 
 
 def _resume_job(tmp: str, batches) -> dict:
@@ -283,6 +297,10 @@ def test_stage0_exchanges_nothing(ours):
 
 def test_checkpoint_resume_continues_identically(ours):
     assert ours["resume"]["resumed"] == ours["resume"]["straight"]
+
+
+def test_a_users_own_muon_optimizer_trains_as_the_configs(ours):
+    assert ours["client"] == ours[2]
 
 
 def test_offload_optimizer_is_refused_by_name(ours):
