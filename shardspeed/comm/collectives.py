@@ -378,16 +378,18 @@ class Collectives:
                 return _all_gather_tensor(output, input, group=self.group, async_op=a)
         return self._run("all_gather", fn, output, output, async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> CommHandle:
-        """Row ``r`` of ``input`` (dim 0 split in ``world`` equal parts) goes to rank ``r``; ``output``'s row ``r``
-        comes from rank ``r``."""
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                          output_split_sizes: Optional[List[int]] = None,
+                          input_split_sizes: Optional[List[int]] = None) -> CommHandle:
+        """Row ``r`` of ``input`` (dim 0 split in ``world`` equal parts, or by ``input_split_sizes``) goes to rank
+        ``r``; ``output``'s row ``r`` (``output_split_sizes[r]`` rows) comes from rank ``r``."""
         if self.world == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._run("all_to_all", None, input, output, async_op)
         return self._run(
-            "all_to_all", lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a), input,
-            output, async_op
+            "all_to_all", lambda a: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                           group=self.group, async_op=a), input, output, async_op
         )
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, async_op: bool = False) -> CommHandle:

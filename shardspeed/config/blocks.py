@@ -23,8 +23,10 @@ def _reject_auto_params(params: Dict[str, Any]) -> None:
 class OptimizerConfig(ConfigModel):
     """`optimizer`: the optimizer shardspeed builds when the caller passes none."""
 
-    type: str = field(..., "Optimizer name, case-insensitive: Adam, AdamW, Adagrad, Lamb, Lion, ..., or any "
-                      "torch.optim class name. Adam means AdamW unless params.adam_w_mode is false.")
+    type: str = field(..., "Optimizer name, case-insensitive: Adam, AdamW, Adagrad, Lamb, Lion, Muon, ..., or "
+                      "any torch.optim class name. Adam means AdamW unless params.adam_w_mode is false. Muon is "
+                      "DeepSpeed's: Muon on hidden matrices, AdamW on the rest (lr, momentum, weight_decay, "
+                      "ns_method, muon_lr, adam_lr, betas, eps; docs/optimizers.md).")
     params: Dict[str, Any] = field(default_factory=dict, description="Keyword arguments of the optimizer "
                                    "(lr, betas, eps, weight_decay, adam_w_mode, torch_adam, ...).")
     legacy_fusion: bool = field(False, "DeepSpeed: legacy fused fp16 optimizer.", ignored=True)

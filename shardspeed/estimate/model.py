@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..optim.muon import use_muon
 from .activations import ActivationProfile, TransformerShape, trace_activations
 from .planning import prefetch_bucket, train_dtype
 
@@ -35,6 +36,8 @@ class ModelSpec:
     stage3_units: Tuple[int, ...]
     shape: Optional[TransformerShape] = None
     activations: Optional[ActivationProfile] = None
+    #: elements ``optimizer.type: "Muon"`` steps with Muon (DeepSpeed's routing; the rest go to its AdamW)
+    muon_numel: Optional[int] = None
 
     @property
     def num_params(self) -> int:
@@ -58,8 +61,9 @@ def describe_module(model: nn.Module, config: Any = None, name: str = "", shape:
     units = select_units(model, unit_max_numel(total, prefetch_bucket(config)))
     # units in forward order: select_units walks the tree top-down, the root's own unit last
     sizes = tuple(sum(_numel(p) for p in ps if p.requires_grad) for _, ps in units)
+    muon = sum(_numel(p) for n, p in model.named_parameters() if p.requires_grad and use_muon(n, p))
     return ModelSpec(name or type(model).__name__, tuple(_numel(p) for p in params),
-                     tuple(s for s in sizes if s), shape)
+                     tuple(s for s in sizes if s), shape, muon_numel=muon)
 
 
 def describe_gpt(cfg, config: Any = None, *, micro_batch: Optional[int] = None, seq_len: Optional[int] = None,

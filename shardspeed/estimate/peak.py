@@ -99,7 +99,7 @@ class _Sizes:
     units: List[float]
     t_b: int
     g_b: int
-    o_b: int
+    o_b: float
     gas: int
     act: ActivationProfile
 
@@ -159,11 +159,11 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
     if plan is None:  # the config is read once, by the plan
         plan = plan_for(config, world_size, tp=tp, pp=pp, mesh=mesh, zero_init=zero_init,
                         micro_batch=micro_batch or (prof.micro_batch if prof else 1))
-        o_b = state_bytes(plan.optimizer)
+        o_b = state_bytes(plan.optimizer, _muon_share(spec))
     elif world_size not in (1, plan.mesh.world) or tp is not None or pp is not None or mesh is not None:
         raise ConfigError("estimate_peak(plan=...) prices the plan's mesh; leave world_size, tp, pp and mesh out")
     else:
-        o_b = optimizer_state_bytes(config)
+        o_b = optimizer_state_bytes(config, _muon_share(spec))
     sizes = _sizes(spec, plan, o_b,
                    _activations(spec, plan, micro_batch, seq_len, checkpointing, sequence_parallel))
     held, nvme = _held(plan, sizes)
@@ -175,7 +175,12 @@ def estimate_peak(spec: ModelSpec, config: Any = None, *, world_size: int = 1, t
     return _peak(phases, s_dev, s_host, nvme, sizes.act.source)
 
 
-def _sizes(spec: ModelSpec, plan: Plan, o_b: int, act: ActivationProfile) -> _Sizes:
+def _muon_share(spec: ModelSpec) -> Optional[float]:
+    """The share of ``spec``'s elements ``optimizer.type: "Muon"`` steps with Muon (None: not described)."""
+    return None if spec.muon_numel is None or not spec.num_params else spec.muon_numel / spec.num_params
+
+
+def _sizes(spec: ModelSpec, plan: Plan, o_b: float, act: ActivationProfile) -> _Sizes:
     sh, pr = plan.sharding, plan.precision
     split = plan.mesh.model * plan.mesh.pipe
     psi = spec.num_params / split

@@ -17,7 +17,8 @@ from ..plan import MeshPlan, ModelFacts, OptimizerPlan, Plan, decide, optimizer_
 
 #: fp32 optimizer-state bytes per parameter element, by optimizer name (lower case)
 OPTIMIZER_STATE_BYTES: Mapping[str, int] = MappingProxyType({"adam": 8, "adamw": 8, "lamb": 8, "fusedadam": 8, "cpuadam": 8,
-                                         "onebitadam": 8, "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4})
+                                         "onebitadam": 8, "adagrad": 4, "lion": 4, "sgd": 4, "rmsprop": 4,
+                                         "muon": 4})
 
 
 def precision_keys(dtype: str) -> Dict[str, Any]:
@@ -55,12 +56,17 @@ def train_dtype(config: Any) -> torch.dtype:
     return precision_of(config).compute
 
 
-def state_bytes(step: OptimizerPlan) -> int:
-    """fp32 optimizer-state bytes per element of the plan's optimizer (AdamW's 8 when it names none)."""
+def state_bytes(step: OptimizerPlan, muon_share: Optional[float] = None) -> float:
+    """fp32 optimizer-state bytes per element of the plan's optimizer (AdamW's 8 when it names none). Muon: 4
+    (one momentum, no second moment) on the share ``muon_share`` of the elements it steps, its AdamW's 8 on
+    the rest (unknown share: all 8)."""
     name = step.optimizer.type.lower() if step.optimizer is not None else "adamw"
+    if name == "muon":
+        share = muon_share or 0.0
+        return OPTIMIZER_STATE_BYTES["muon"] * share + OPTIMIZER_STATE_BYTES["adamw"] * (1.0 - share)
     return OPTIMIZER_STATE_BYTES.get(name, 8)
 
 
-def optimizer_state_bytes(config: Any) -> int:
+def optimizer_state_bytes(config: Any, muon_share: Optional[float] = None) -> float:
     """fp32 optimizer-state bytes per element of the config's optimizer (AdamW's 8 when it names none)."""
-    return state_bytes(optimizer_of(config))
+    return state_bytes(optimizer_of(config), muon_share)

@@ -35,6 +35,7 @@ import torch
 from shardspeed.errors import ConfigError
 from shardspeed.optim.lamb import Lamb
 from shardspeed.optim.lion import Lion
+from shardspeed.optim.muon import MuonWithAuxAdam, muon_config, split_muon_groups
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ __all__ = ["build_optimizer", "rebuild_optimizer", "retarget_optimizer", "DEEPSP
            "torch_optimizer_classes"]
 
 #: DeepSpeed names shardspeed builds itself (matched case-insensitively).
-DEEPSPEED_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
+DEEPSPEED_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion", "muon")
 
 # DeepSpeed optimizers that depend on DeepSpeed's own kernels or on mup.
 _UNSUPPORTED = MappingProxyType({
@@ -52,8 +53,6 @@ _UNSUPPORTED = MappingProxyType({
     "muadam": "mup's MuAdam is not bundled; build it yourself and pass it as optimizer=",
     "muadamw": "mup's MuAdamW is not bundled; build it yourself and pass it as optimizer=",
     "musgd": "mup's MuSGD is not bundled; build it yourself and pass it as optimizer=",
-    "muon": "DeepSpeed's Muon (with its auxiliary Adam for non-matrix parameters) is not implemented; "
-    "build torch.optim.Muon over the 2-D parameters yourself and pass it as optimizer=",
 })
 
 # torch.optim classes that cannot serve as the engine's optimizer (closure-only or sparse-only).
@@ -89,6 +88,7 @@ def torch_optimizer_classes() -> Dict[str, Type[torch.optim.Optimizer]]:
             and issubclass(obj, torch.optim.Optimizer)
             and name not in _EXCLUDED_TORCH
             and name.lower() not in _UNSUPPORTED
+            and name.lower() != "muon"  # "muon" is DeepSpeed's Muon with its auxiliary Adam (optim.muon)
             and not name.startswith("_")
         ):
             out[name.lower()] = obj
@@ -230,6 +230,8 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
     if key in _UNSUPPORTED:
         raise ConfigError(f"optimizer.type {type_name!r} is not supported by shardspeed: {_UNSUPPORTED[key]}")
 
+    if key == "muon":
+        return _build_muon(params, _materialize(param_groups))
     cls, defaults = _resolve_class(type_name, key, params)
     _check_accepted(type_name, key, cls, params)
     for k, v in list(params.items()):
@@ -238,6 +240,17 @@ def build_optimizer(cfg: Any, param_groups: Iterable) -> torch.optim.Optimizer:
             params[k] = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
     _check_values(type_name, cls, params, defaults)
     return _construct(type_name, cls, params, defaults, _materialize(param_groups))
+
+
+def _build_muon(params: Dict[str, Any], groups: List[Any]) -> torch.optim.Optimizer:
+    """DeepSpeed's Muon over ``groups``: already split by the engine (each with ``use_muon``), or split here by
+    shape alone (no names: an embedding or LM head with 2 dimensions would go to Muon)."""
+    _, _, adam_w_mode = muon_config(params)
+    if not all(isinstance(g, Mapping) and "use_muon" in g for g in groups):
+        dicts = [dict(g, params=list(g["params"])) for g in groups if isinstance(g, Mapping)]
+        loose = [g for g in groups if not isinstance(g, Mapping)]
+        groups = split_muon_groups(dicts + ([{"params": loose}] if loose else []), {}, params)
+    return MuonWithAuxAdam(groups, adam_w_mode=adam_w_mode)
 
 
 def _resolve_class(type_name: str, key: str, params: Dict[str, Any]) -> Tuple[type, Dict[str, Any]]:

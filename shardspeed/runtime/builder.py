@@ -53,6 +53,7 @@ from .dataloader import build_dataloader
 from .engine import Engine
 from .experts import ExpertParts, broadcast_module_state, build_flat_units, prepare_experts
 from .forward_engine import ForwardEngine
+from .muon_parts import bind_muon, muon_groups
 from .parts import EngineParts
 from .pipeline_engine import PipelineEngine
 from .sequence_parallel.attention_check import check_attention_on_first_forward
@@ -181,6 +182,8 @@ def build_engine(
     if plan.precision.compute != torch.float32:
         model.to(dtype=plan.precision.compute)
     tp_state, ties, groups = _model_parallel(plan, model, topo, comms_logger, pipe_plan, groups)
+    groups = muon_groups(plan.optimizer.optimizer, model, groups, offload=plan.placement.optimizer != "device",
+                         tp=topo.model_size, experts=has_moe_layers(model)[0])
     broadcast_module_state(model, collectives, experts)
     comms_logger.reset()
 
@@ -190,6 +193,7 @@ def build_engine(
     master = _master_weights(plan, zero, collectives, group_of,
                              (lambda _groups: None) if forward_only
                              else _optimizer_factory(plan.optimizer, groups, optimizer), forward_only)
+    bind_muon(master, collectives, group_of)
     if zero.sharded:
         _link_stage3(zero, master, model)
     parts = EngineParts(

@@ -209,12 +209,17 @@ class MasterWeights:
 
     def step(self, loss_scale: float, clip: float) -> StepResult:
         grads = self._fp32_grads()
-        norm, coef = self.grad_coefficient(grads, loss_scale, clip)
+        # DeepSpeed's ZeRO 1-3 Muon clips the orthogonalised updates, not the gradients (optim.muon does it)
+        over_updates = self.sharded and getattr(self.optimizer, "clips_updates", False)
+        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0 if over_updates else clip)
         if coef is None:
             return StepResult(True, norm)
-        if self.gather_after_step and len(self.units) > 1:
+        if over_updates:
+            self.optimizer.update_clip = clip  # type: ignore[attr-defined]
+        if self.gather_after_step and len(self.units) > 1 and not getattr(self.optimizer, "steps_whole", False):
             # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
-            # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces)
+            # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces); not for an
+            # optimizer that exchanges across units in its step (Muon's whole matrices)
             handles = []
             for ui in range(len(self.units)):
                 self._attach_grads(ui, grads[ui], coef)
