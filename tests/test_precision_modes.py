@@ -17,6 +17,7 @@ import torch
 import shardspeed
 from shardspeed.compat import site_path
 from shardspeed.errors import ConfigError
+from shardspeed.estimate.states import estimate_model_state_memory
 from shardspeed.plan import decide
 from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
 from tests.distributed import free_port
@@ -69,6 +70,10 @@ def test_bf16_optimizer_states_are_half_the_bytes(runs):
         assert fp32["state_dtypes"] == ["torch.float32"] and bf16["state_dtypes"] == ["torch.bfloat16"]
         # 5896 parameters, two Adam moments, sharded over 2 ranks
         assert fp32["state_bytes"] == [5896 // 2 * 2 * 4] * 2 and bf16["state_bytes"] == [5896 // 2 * 2 * 2] * 2
+        # the estimator prices the same bytes (bf16 masters are the bf16 parameters themselves: no copy)
+        assert estimate_model_state_memory(5896, 2, stage, "fp32").optimizer_device == fp32["state_bytes"][0]
+        assert estimate_model_state_memory(5896, 2, stage, "bf16", bf16_masters=True).optimizer_device \
+            == bf16["state_bytes"][0]
     assert ours["autocast_z1"]["comm_dtype"] == ["torch.bfloat16", "None"]
     # the Linear layers' gradients go on the wire in bf16; the LayerNorm's in fp32 (a unit of its own at
     # stages 1-2; at stage 3 the units are modules, so each Linear reduces in bf16 and the LayerNorm in fp32)
@@ -174,3 +179,58 @@ def test_torch_autocast_stage0_equals_plain_torch_autocast(monkeypatch):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
     finally:
         engine.destroy()
+
+
+def _states(engine) -> list:
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return [v for st in inner.state.values() for k, v in sorted(st.items()) if k != "step" and v.dim() > 0]
+
+
+def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog):
+    """Saved with bf16 masters, loaded by an engine with fp32 masters (and back): the weights and Adam's moments
+    convert, one log line names the conversion, and training goes on."""
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    full = dict(base, bf16={"enabled": True})
+    gen = torch.Generator().manual_seed(5)
+
+    def train(engine, steps):
+        for _ in range(steps):
+            x = torch.randn(4, 8, generator=gen)
+            engine.backward((engine(x).float() - torch.cos(x[:, :4])).pow(2).mean())
+            engine.step()
+
+    a, *_ = shardspeed.initialize(model=_net(), config=low)
+    b = None
+    try:
+        train(a, 3)
+        a.save_checkpoint(str(tmp_path), tag="low")
+        saved = [t.clone() for t in _states(a)]
+        assert {t.dtype for t in saved} == {torch.bfloat16}
+        b, *_ = shardspeed.initialize(model=_net(), config=full)
+        with caplog.at_level("INFO", logger="shardspeed"):
+            b.load_checkpoint(str(tmp_path), tag="low")
+        assert "checkpoint master weights and optimizer states are bfloat16, this engine's are float32" in caplog.text
+        assert [t.dtype for t in _states(b)] == [torch.float32] * len(saved)
+        assert all(torch.equal(t, s.float()) for t, s in zip(_states(b), saved))
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)
+        train(b, 1)
+        b.save_checkpoint(str(tmp_path), tag="full")
+        moved = [t.clone() for t in _states(b)]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="shardspeed"):
+            a.load_checkpoint(str(tmp_path), tag="full")
+        assert "are float32, this engine's are bfloat16: converting them float32 -> bfloat16" in caplog.text
+        assert all(torch.equal(t, s.bfloat16()) for t, s in zip(_states(a), moved))
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)  # bf16 parameters: the fp32 masters rounded, as b's own
+        train(a, 1)
+    finally:
+        a.destroy()
+        if b is not None:
+            b.destroy()
