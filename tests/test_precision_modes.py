@@ -234,3 +234,17 @@ def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tm
         a.destroy()
         if b is not None:
             b.destroy()
+
+
+def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
+    from shardspeed.pipe import PipelineModule
+    from tests.pipe_models import mlp_specs
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    model = PipelineModule(layers=mlp_specs(), num_stages=1, loss_fn=torch.nn.MSELoss())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "torch_autocast": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match="torch_autocast with a PipelineModule is not implemented yet"):
+        shardspeed.initialize(model=model, config=cfg)
