@@ -248,3 +248,19 @@ def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     with pytest.raises(ConfigError, match="torch_autocast with a PipelineModule is not implemented yet"):
         shardspeed.initialize(model=model, config=cfg)
+
+
+def test_engine_getters_of_the_precision_modes(monkeypatch):
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "torch_autocast": {"enabled": True},
+           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = shardspeed.initialize(model=_net(), config=cfg)
+    try:
+        assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16  # CPU's default
+        assert engine.bf16_master_weights_and_gradients() and engine.bf16_optimizer_states()
+        assert not engine.fp16_master_weights_and_gradients()
+    finally:
+        engine.destroy()

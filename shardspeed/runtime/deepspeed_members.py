@@ -209,6 +209,21 @@ class DeepSpeedMembers:
     def bfloat16_enabled(self) -> bool:
         return self._p.train_dtype == torch.bfloat16
 
+    def torch_autocast_enabled(self) -> bool:
+        return self._p.autocast is not None
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        return self._p.autocast
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self._p.master.master_dtype == torch.bfloat16
+
+    def bf16_optimizer_states(self) -> bool:  # implied by bf16 masters here (DeepSpeed requires it without offload)
+        return self._p.master.master_dtype == torch.bfloat16
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return False  # refused at initialize
+
     def zero_optimization(self) -> bool:
         return self._p.zero_stage > 0
 
