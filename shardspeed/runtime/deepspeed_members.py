@@ -1,5 +1,5 @@
-"""DeepSpeedEngine's members that the :class:`~shardspeed.runtime.engine.Engine` takes from this mixin, with
-DeepSpeed's behaviour and return types (DeepSpeed 0.19.8); engine.py keeps the step.
+"""One job: DeepSpeedEngine's members that the :class:`~shardspeed.runtime.engine.Engine` takes from this mixin,
+with DeepSpeed's behaviour and return types (DeepSpeed 0.19.8); engine.py keeps the step.
 
 The getters answer from the parts the builder made (never from the config again), and the config getters
 DeepSpeed has by the hundred are not repeated here: a DeepSpeedEngine member the engine does not provide
