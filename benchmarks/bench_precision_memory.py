@@ -11,7 +11,8 @@ VmRSS after imports and process-group setup (the baseline), then the process's h
 at the baseline) after the steps; the model-state bytes the estimator prices for the mode
 (``estimate_model_state_memory``: params + grads + master + optimizer states, bytes per parameter × Ψ / ranks as
 the stage shards them) and the optimizer-state bytes the engine holds. Reported: max over ranks, in MiB.
-JSON: benchmarks/results/precision_memory.json.
+JSON: benchmarks/results/precision_memory.json (modes run separately with ``--modes`` on the same setup are
+merged into it).
 """
 from __future__ import annotations
 
@@ -111,6 +112,11 @@ def main() -> None:
               flush=True)
     meta = {"model": args.model, "world": args.world, "stage": args.stage, "steps": args.steps, "seq": SEQ}
     path = os.path.join(ROOT, "benchmarks", "results", "precision_memory.json")
+    if os.path.exists(path):  # modes run separately (--modes) on the same setup accumulate in one file
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("meta") == meta:
+            out = dict(old["modes"], **out)
     with open(path, "w") as f:
         json.dump({"meta": meta, "modes": out}, f, indent=1)
     print("wrote", path)
