@@ -8,7 +8,8 @@ DeepSpeed's launcher does): once on the real DeepSpeed (``DS_ACCELERATOR=cpu``),
 ``deepspeed`` package. Rank 0's per-step losses must agree: fp32 to 1e-5, bf16 to one bf16 step (relative
 2**-8). Cases: CIFAR fp32 and bf16 at ZeRO 0-3; HelloDeepSpeed bf16 + ZeRO 1 + CPU-offloaded optimizer, then
 resumed from its checkpoint; the pipeline example data-parallel (``-p 0``) and with 2 stages; DS-Chat SFT
-bf16 at ZeRO 0, 2, 3 (tiny OPT); bf16_master_weight's three ZeRO-3 configs.
+bf16 at ZeRO 0, 2, 3 (tiny OPT); bf16_master_weight's three ZeRO-3 configs (the one with an offloaded
+optimizer refused by shardspeed).
 """
 import json
 import os
@@ -180,14 +181,21 @@ def test_bf16_master_weight_baseline(runs):
     _close(ds["baseline.json"], ours["baseline.json"], True, "bf16_master_weight baseline.json")
 
 
-@pytest.mark.parametrize("entry", [1, 2])
-def test_bf16_master_weight_low_precision_configs_refused(runs, entry):
-    """DeepSpeed trains bf16_master_wg.json and bf16_full.json; shardspeed refuses them with one ConfigError
-    line (torch_autocast is refused first; without it, 16-bit master weights: issue 40)."""
+def test_bf16_master_weight_with_offloaded_optimizer_refused(runs):
+    """DeepSpeed trains bf16_master_wg.json (bf16 masters, fp32 moments in its CPU Adam); shardspeed's offloaded
+    optimizer keeps fp32 masters, so it refuses the config with one ConfigError line naming both keys."""
     parsed, texts = runs
-    ds = parsed["deepspeed"]["bf16_master_weight.py"][entry]
-    ours = parsed["ours"]["bf16_master_weight.py"][entry]
+    ds = parsed["deepspeed"]["bf16_master_weight.py"][1]
+    ours = parsed["ours"]["bf16_master_weight.py"][1]
     assert ds[0] == "ok" and len(next(iter(ds[1].values()))) == 5, ds
     assert ours[0] == "error", ours
     assert ours[1].startswith("ConfigError: ") and "\n" not in ours[1]
-    assert "'torch_autocast'" in ours[1] or "'bf16.bf16_master_weights_and_grads'" in ours[1], ours[1]
+    assert "bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer" in ours[1], ours[1]
+
+
+def test_bf16_master_weight_bf16_masters_and_states(runs):
+    """bf16_full.json (torch_autocast + bf16 masters + bf16 optimizer states at ZeRO 3): DeepSpeed's losses."""
+    ds, ours = _results(runs, "bf16_master_weight.py", 2)
+    _close(ds["bf16_full.json"], ours["bf16_full.json"], True, "bf16_master_weight bf16_full.json")
+
+

@@ -78,7 +78,7 @@ def upward(graph: Dict[str, Set[str]]) -> List[str]:
 #: the attributes shardspeed may set on a parameter (module-level constants holding these names count by name)
 TENSOR_ATTRS = {"data", "grad", "requires_grad", "ds_status", "ds_shape", "ds_numel", "ds_id", "ds_active_sub_modules",
                 "INIT_TAG", "TENSOR_PARALLEL_ATTR", "_REPLICA_ATTR", "tp_slice", "sequence_parallel", "allreduce",
-                "group_name", "_is_hf_initialized"}
+                "group_name", "_is_hf_initialized", "COMM_DTYPE_ATTR"}
 #: the names shardspeed gives parameters and tensors in its code
 TENSOR_NAMES = {"p", "param", "mp", "t", "tensor", "weight", "w"}
 

@@ -13,7 +13,7 @@ import torch
 from ..errors import CheckpointError
 from .commit import check_tag, read_latest, resolve
 from .engine_view import EngineView, OwnedPiece
-from .format import ShardReader
+from .format import ShardReader, dtype_name
 from .metadata import FORMAT, WEIGHT, CheckpointMetadata, Entry, rank_file
 from .metadata_checks import check_files, check_stored
 from .ranges import EntryIndex, entries_for, read_range
@@ -44,6 +44,16 @@ def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> se
             raise CheckpointError(f"{name!r} has shape {list(current[name])} in the model but "
                                   f"{meta.tensors[name].shape} in the checkpoint")
     return set(current) & saved
+
+
+def _log_master_conversion(view: EngineView, meta: CheckpointMetadata, present: set) -> None:
+    """One line when the checkpoint's master weights (and so its optimizer states) are in another dtype than
+    this engine's (bf16_master_weights_and_grads on one side only): they are converted as they are read."""
+    now = dtype_name(view.master_dtype)
+    saved = sorted({meta.tensors[n].dtype for n in present if meta.tensors[n].kind == "param"} - {now})
+    if saved:
+        logger.info("checkpoint master weights and optimizer states are %s, this engine's are %s: converting "
+                    "them %s -> %s as they load", "/".join(saved), now, "/".join(saved), now)
 
 
 @torch.no_grad()
@@ -332,6 +342,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     path, meta, index, reader, present, common = (checked.path, checked.meta, checked.index, checked.reader,
                                                   checked.present, checked.common)
 
+    if view.rank == 0:
+        _log_master_conversion(view, meta, present)
     err = None
     try:
         _load_weights(view, index, reader, present)

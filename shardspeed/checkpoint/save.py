@@ -134,7 +134,7 @@ def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:
     tensors: Dict[str, TensorInfo] = {}
     for name, shape, trainable in view.unit_params():
         full = list(view.full_shape(name, shape))  # a tensor-parallel slice: the full tensor's shape
-        tensors[name] = TensorInfo(full, "float32", "param") if trainable else \
+        tensors[name] = TensorInfo(full, dtype_name(view.master_dtype), "param") if trainable else \
             TensorInfo(full, dtype_name(view.train_dtype), "frozen")
     for name, prm in view.other_params():
         tensors[name] = TensorInfo(list(view.full_shape(name, tuple(prm.shape))), dtype_name(prm.dtype), "frozen")

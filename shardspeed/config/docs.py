@@ -53,7 +53,7 @@ Differences from DeepSpeed:
   (docs/parallelism.md).
 - Refused with a specific message: `amp` (use `bf16`/`fp16`), `elasticity`, features removed from
   DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`,
-  `data_efficiency`, `compile`, `weight_quantization`, `torch_autocast`, `datastates`) unless they
+  `data_efficiency`, `compile`, `weight_quantization`, `datastates`) unless they
   are `{"enabled": false}`.
 - Mixture of experts (docs/moe.md): a model's `shardspeed.moe.MoE` layers (their largest `ep_size`) or
   `expert_parallel.autoep_size` size the mesh's expert dimension, carved out of the data ranks: dense

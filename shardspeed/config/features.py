@@ -16,6 +16,8 @@ from typing import Mapping
 IMPLEMENTED_BLOCKS: Mapping[str, str] = MappingProxyType({
     "fp16": "fp16 training and loss scaling (runtime.builder: train dtype, precision.loss_scaler)",
     "bf16": "bf16 training (runtime.builder: train dtype)",
+    "torch_autocast": "the forward under torch.autocast (plan.precision_modes.autocast_plan, runtime.engine.forward; "
+                      "runtime.precision_setup tags the parameters that reduce in the autocast dtype)",
     "comms_logger": "the collectives log (dist.comms.CommsLogger, engine.comms_summary)",
     "activation_checkpointing": "shardspeed.checkpointing: the builder configures it from the block and, when "
                                 "enabled, checkpoints every transformer block (checkpointing.wrap)",

@@ -32,6 +32,7 @@ from .precision import (
     DataTypesConfig,
     DtypeName,
     FP16Config,
+    TorchAutocastConfig,
     check_precision,
     normalize_dtype_name,
 )
@@ -42,7 +43,7 @@ _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
 _UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile",
-                         "weight_quantization", "torch_autocast", "datastates")
+                         "weight_quantization", "datastates")
 
 
 class ShardspeedConfig(ConfigModel):
@@ -91,6 +92,8 @@ class ShardspeedConfig(ConfigModel):
     fp16: FP16Config = field(default_factory=FP16Config, description="fp16 mixed precision.")
     bf16: BF16Config = field(default_factory=BF16Config, description="bf16 mixed precision. Also `bfloat16`.")
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig, description="Buffer dtypes.")
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig,
+                                                description="torch.autocast forward, fp32 parameters.")
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig, description="ZeRO sharding. "
                                           "`true` means stage 1, `false` stage 0.")
     optimizer: Optional[OptimizerConfig] = field(None, "Optimizer to build when the caller passes none.")

@@ -54,8 +54,8 @@ class FP16Config(ConfigModel):
         False, "Refill the hysteresis counter after every step without overflow.")
     min_loss_scale: float = field(1.0, "Floor of the dynamic loss scale.", gt=0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = field(
-        False, "DeepSpeed: keep master weights in fp16 (CPU Adam only). Master weights are fp32 here.",
-        not_implemented="16-bit master weights")
+        False, "DeepSpeed: keep master weights and gradients in fp16. DeepSpeed allows it only with ZeRO-Offload "
+        "and its CPU Adam, which shardspeed does not run with 16-bit masters: refused.")
 
 
 class BF16Config(ConfigModel):
@@ -68,10 +68,10 @@ class BF16Config(ConfigModel):
         True, "Skip the optimizer step (on every rank, counted in skipped_steps, LR schedule held) when the "
         "global gradient norm is inf/nan, in bf16 and fp32 training alike; fp16 always checks.")
     bf16_master_weights_and_grads: bool = field(
-        False, "DeepSpeed: keep master weights and gradients in bf16. Master weights are fp32 here.",
-        not_implemented="16-bit master weights")
-    bf16_optimizer_states: bool = field(False, "DeepSpeed: keep optimizer states in bf16.",
-                                        not_implemented="bf16 optimizer states")
+        False, "Keep master weights and gradients in bf16, no fp32 copy (ZeRO 1-3; with bf16_optimizer_states, "
+        "as DeepSpeed requires without offload). A bf16 training run's master is then the bf16 shard itself.")
+    bf16_optimizer_states: bool = field(False, "Keep optimizer states (Adam's moments) in bf16 (ZeRO 1-3; needs "
+                                        "bf16_master_weights_and_grads).")
 
 
 class DataTypesConfig(ConfigModel):
@@ -80,13 +80,16 @@ class DataTypesConfig(ConfigModel):
     grad_accum_dtype: Optional[DtypeName] = field(
         None, "Dtype gradients are accumulated in across micro-batches (\"fp32\", \"fp16\", \"bf16\"); "
         "None means the training dtype.")
-    param_dtype: Optional[DtypeName] = field(None, "DeepSpeed: cast parameters to this dtype.",
-                                             not_implemented="casting parameters to data_types.param_dtype")
-    buffer_dtype: Optional[DtypeName] = field(None, "DeepSpeed: cast module buffers to this dtype.",
-                                              not_implemented="casting module buffers to data_types.buffer_dtype")
+    param_dtype: Optional[DtypeName] = field(
+        None, "Dtype of the parameters; must equal the training dtype (fp16/bf16/fp32, as DeepSpeed asserts). "
+        "None: the training dtype.")
+    buffer_dtype: Optional[DtypeName] = field(
+        None, "Cast the module's floating buffers to this dtype (except those keep_in_fp32_modules names). "
+        "None: buffers keep their dtype.")
     keep_in_fp32_modules: Union[Literal["auto"], List[str]] = field(
-        "auto", "DeepSpeed: module name patterns whose buffers stay fp32 (\"auto\": the model's own list).",
-        auto="keep", ignored=True)
+        "auto", "Name patterns (`*` any characters, matched anywhere in the buffer's name) of buffers kept in fp32 "
+        "under bf16/fp16 training; \"auto\": the model's transformers `_keep_in_fp32_modules_strict` (and "
+        "`_keep_in_fp32_modules` under fp16); []: none.", auto="keep")
 
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
     @classmethod
@@ -94,12 +97,37 @@ class DataTypesConfig(ConfigModel):
         return normalize_dtype_name(value)
 
 
+class TorchAutocastConfig(ConfigModel):
+    """`torch_autocast`: fp32 parameters (unless bf16/fp16 is enabled too), the forward under `torch.autocast`,
+    and the gradients of the listed module types' parameters reduced in the autocast dtype."""
+
+    enabled: bool = field(False, "Run the forward under torch.autocast(device type, dtype).")
+    dtype: Optional[DtypeName] = field(
+        None, "Autocast dtype (\"bf16\", \"fp16\"); None: torch's default for the device (bf16 on CPU, fp16 on "
+        "CUDA). fp16 adds a dynamic loss scale (torch's GradScaler defaults: 2**16, halved on overflow, doubled "
+        "after 2000 clean steps).")
+    lower_precision_safe_modules: Optional[List[str]] = field(
+        None, "Module classes (\"package.Class\") whose parameters' gradients are reduced in the autocast dtype; "
+        "None: torch.nn.Linear, Conv1d, Conv2d, Conv3d.")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _normalize_dtype(cls, value: Any) -> Any:
+        return normalize_dtype_name(value)
+
+
 def check_precision(fp16: FP16Config, bf16: BF16Config) -> None:
-    """fp16 and bf16 are exclusive."""
+    """fp16 and bf16 are exclusive; 16-bit masters as DeepSpeed allows them (stages are checked by the plan)."""
     if fp16.enabled and bf16.enabled:
         raise PydanticCustomError("precision_conflict",
                                   "fp16.enabled and bf16.enabled are both true; enable at most one", {})
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        raise PydanticCustomError("precision_conflict", "bf16.bf16_optimizer_states requires "
+                                  "bf16.bf16_master_weights_and_grads (as in DeepSpeed); set both", {})
+    if fp16.fp16_master_weights_and_grads and bf16.bf16_master_weights_and_grads:
+        raise PydanticCustomError("precision_conflict", "fp16.fp16_master_weights_and_grads and "
+                                  "bf16.bf16_master_weights_and_grads are mutually exclusive; set at most one", {})
 
 
-__all__ = ["FP16Config", "BF16Config", "DataTypesConfig", "normalize_dtype_name", "TORCH_DTYPES",
+__all__ = ["FP16Config", "BF16Config", "DataTypesConfig", "TorchAutocastConfig", "normalize_dtype_name", "TORCH_DTYPES",
            "DtypeName", "check_precision"]

@@ -11,7 +11,8 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   accumulator and, during backward, full-size unit buckets: at most ``sharding.buckets_alive`` (stage 2:
   two reductions in flight and one filling), or one largest unit's worth (stage 3). Units are
   ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
-- master weights: a separate fp32 shard unless the compute dtype is the master's and nothing is offloaded
+- master weights: a separate fp32 (bf16 with ``bf16_master_weights_and_grads``, states then bf16 too) shard
+  unless the compute dtype is the master's and nothing is offloaded
   (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
   the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of
   ``tile_elems``) or files (plus the streaming pool, ``buffer_count`` × 3 tiles).
@@ -207,8 +208,9 @@ def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
     else:
         nvme += z.psi / z.n_dp * z.t_b
     separate_master = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
-    master = z.shard * 4 if separate_master else 0.0
-    states = z.shard * z.o_b
+    m_b = pr.master.itemsize  # 4, or 2 with bf16 master weights (whose optimizer states are bf16 too)
+    master = z.shard * m_b if separate_master else 0.0
+    states = z.shard * z.o_b * m_b / 4
     if where.optimizer == "device":
         held["master"], held["optimizer"] = master, states
     elif where.optimizer == "host":

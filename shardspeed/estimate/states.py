@@ -15,6 +15,12 @@ stage 2    4Ψ + 12Ψ/N                          2Ψ + 14Ψ/N
 stage 3    16Ψ/N                               16Ψ/N
 =========  ==================================  =======================================
 
+The precision modes of issue 40 (bytes per parameter, N ranks, Adam): ``torch_autocast`` trains fp32
+parameters (the fp32 column); ``bf16.bf16_master_weights_and_grads`` with ``bf16_optimizer_states`` keeps no
+fp32 copy: bf16 parameters are their own master (no second copy, where DeepSpeed keeps a bf16 clone) and
+Adam's moments are bf16, so 2Ψ + 2Ψ + 4Ψ: stage 1 4Ψ + 4Ψ/N, stage 2 2Ψ + 6Ψ/N, stage 3 8Ψ/N (not at
+stage 0, as in DeepSpeed).
+
 ``offload_optimizer`` moves the optimizer-state shard (12Ψ/N, or 8Ψ/N at fp32) to host memory (stages
 1-3); ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
 does is the plan's (:func:`model_states`); :func:`estimate_model_state_memory` writes the config of a stage,
@@ -67,12 +73,14 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
     """Bytes of parameters, gradients and Adam states per rank of ``num_params`` parameters trained as
     ``plan`` says: the model-parallel slice (``mesh.model`` × ``mesh.pipe``) in the compute dtype, gradients in
-    the accumulation dtype, Adam's two fp32 states plus an fp32 master below fp32, each partitioned over the
+    the accumulation dtype, Adam's two states in the master's dtype plus a master copy where the parameters
+    are in another dtype (fp32 masters below fp32 training), each partitioned over the
     shard group where the plan partitions it, and held where ``placement`` puts it."""
     sh, pr, where = plan.sharding, plan.precision, plan.placement
     n = float(num_params) / (plan.mesh.model * plan.mesh.pipe)
     div = plan.mesh.shard_size
-    o_b = 8 + (4 if pr.compute != pr.master else 0)
+    m_b = _dtype_bytes(pr.master)  # Adam's two moments follow the master's dtype (bf16_optimizer_states)
+    o_b = 2 * m_b + (m_b if pr.compute != pr.master else 0)  # a master copy unless the parameters are it
     params = _dtype_bytes(pr.compute) * n / (div if sh.partition_parameters else 1)
     grads = _dtype_bytes(pr.accumulate) * n / (div if sh.partition_gradients else 1)
     optim = o_b * n / (div if sh.partition_optimizer else 1)
@@ -85,9 +93,10 @@ def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
                             optimizer_host=host.get("optimizer", 0.0), nvme=sum(placed["file"].values()))
 
 
-def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = False, offload_param: bool = False
-                 ) -> Dict[str, Any]:
-    """The config of ZeRO ``stage`` in ``dtype`` with the offloads (to cpu) asked for."""
+def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = False, offload_param: bool = False,
+                 bf16_masters: bool = False) -> Dict[str, Any]:
+    """The config of ZeRO ``stage`` in ``dtype`` with the offloads (to cpu) asked for; ``bf16_masters``: bf16
+    master weights and optimizer states (dtype bf16)."""
     zero: Dict[str, Any] = {"stage": stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -96,6 +105,8 @@ def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = Fals
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
+    if bf16_masters:
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     return cfg
 
 
@@ -106,9 +117,11 @@ def estimate_model_state_memory(
     dtype: str = "bf16",
     offload_optimizer: bool = False,
     offload_param: bool = False,
+    bf16_masters: bool = False,
 ) -> ModelStateMemory:
     """Bytes of parameters, gradients and Adam states per rank for ZeRO ``stage`` over ``world_size``
     data-parallel ranks. ``dtype``: "fp32", "bf16" or "fp16" (16-bit with fp32 master weights).
+    ``bf16_masters``: bf16 master weights and optimizer states (``dtype`` must be "bf16").
 
     Raises ``ConfigError`` for an unknown dtype or stage, a world size below 1, a negative count, and
     optimizer offload at stage 0 (decide's) or parameter offload below stage 3 (asked for here by name,
@@ -124,5 +137,7 @@ def estimate_model_state_memory(
         raise ConfigError(f"num_params must be >= 0, got {num_params}")
     if offload_param and stage < 3:
         raise ConfigError(f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got stage {stage}")
-    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param), world_size)
+    if bf16_masters and dtype != "bf16":
+        raise ConfigError(f"bf16_masters needs dtype 'bf16', got {dtype!r}")
+    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param, bf16_masters), world_size)
     return model_states(plan, num_params)

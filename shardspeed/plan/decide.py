@@ -14,6 +14,7 @@ import torch
 
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
+from .precision_modes import AutocastPlan, autocast_plan, cast_plan, master_dtype
 from .sections import (
     config_source,
     experts_plan,
@@ -39,6 +40,14 @@ from .types import (
 )
 
 _DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
+#: ``torch_autocast`` in fp16 without the fp16 block: DeepSpeed's torch.amp.GradScaler at its defaults (scale
+#: 2**16, halved on each overflow, doubled after 2000 steps without one, no floor)
+GRAD_SCALER = LossScalePlan(enabled=True, initial_scale_power=16, window=2000, hysteresis=1, min_scale=2.0 ** -24)
+
+
+def autocast_scales(autocast: Optional[AutocastPlan], fp16_enabled: bool) -> bool:
+    """fp16 autocast takes GradScaler's dynamic scale unless the fp16 block scales already."""
+    return autocast is not None and autocast.dtype == torch.float16 and not fp16_enabled
 
 
 def decide(config: Any, world_size: int, facts: Optional[ModelFacts] = None, *,
@@ -237,13 +246,16 @@ def precision_plan(cfg: ShardspeedConfig) -> PrecisionPlan:
     unless ``bf16.check_grad_overflow`` is false, in every dtype (DeepSpeed skips them at stages 1-3)."""
     f = cfg.fp16
     name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
+    autocast = autocast_plan(cfg)
     return PrecisionPlan(
-        compute=cfg.train_dtype, reduce=cfg.comm_dtype,
+        compute=cfg.train_dtype, reduce=cfg.comm_dtype, master=master_dtype(cfg), autocast=autocast,
+        cast=cast_plan(cfg),
         accumulate=_DTYPES[name] if name is not None else cfg.train_dtype,
         loss_scale=LossScalePlan(enabled=bool(f.enabled), static_scale=float(f.loss_scale),
                                  initial_scale_power=int(f.initial_scale_power), window=int(f.loss_scale_window),
                                  hysteresis=int(f.hysteresis), consecutive_hysteresis=bool(f.consecutive_hysteresis),
-                                 min_scale=float(f.min_loss_scale)),
-        check_overflow=bool(f.enabled) or bool(cfg.bf16.check_grad_overflow),
+                                 min_scale=float(f.min_loss_scale)) if not autocast_scales(autocast, f.enabled)
+        else GRAD_SCALER,
+        check_overflow=bool(f.enabled) or bool(cfg.bf16.check_grad_overflow) or autocast_scales(autocast, False),
         predivide_factor=float(cfg.gradient_predivide_factor) if cfg.prescale_gradients else 1.0,
     )

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..mesh.topology import MESH_DIMS, mesh_dims
+from .precision_modes import AutocastPlan, CastPlan
 
 #: Pipeline schedules whose ranks each run two chunks placed as a V (stage r and 2p - 1 - r).
 V_SCHEDULES: Tuple[str, ...] = ("zbv", "dualpipev")
@@ -170,7 +171,9 @@ class LossScalePlan:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Dtypes of computation, masters (always fp32), gradient collectives and gradient accumulation."""
+    """Dtypes of computation, masters (fp32, or bf16 with ``bf16_master_weights_and_grads``), gradient
+    collectives and gradient accumulation; ``autocast``: ``torch_autocast`` (None: off); ``cast``: how the
+    module's parameters and buffers are cast (``data_types``)."""
 
     compute: torch.dtype = torch.float32
     master: torch.dtype = torch.float32
@@ -179,6 +182,8 @@ class PrecisionPlan:
     loss_scale: LossScalePlan = LossScalePlan()
     check_overflow: bool = True
     predivide_factor: float = 1.0
+    autocast: Optional[AutocastPlan] = None
+    cast: CastPlan = CastPlan()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from ..plan import (
     decide,
 )
 from ..precision import build_loss_scaler
+from ..precision.casting import COMM_DTYPE_ATTR
 from ..zero.init import init_shard_of, refuse_deepspeed_partitioned
 from ..zero.layout import group_by_size
 from ..zero.master import MasterWeights
@@ -56,6 +57,7 @@ from .forward_engine import ForwardEngine
 from .muon_parts import bind_muon, muon_groups
 from .parts import EngineParts
 from .pipeline_engine import PipelineEngine
+from .precision_setup import prepare_precision
 from .sequence_parallel.attention_check import check_attention_on_first_forward
 
 logger = logging.getLogger("shardspeed")
@@ -101,11 +103,11 @@ def _build_units(params: List[nn.Parameter], bucket_elems: int, world: int, rank
     for p in params:
         if id(p) in single:
             units.append(FlatParamUnit([p], world=world, rank=rank, index=len(units)))
-    # keep dtypes apart: one flat buffer has one dtype
-    by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+    # keep dtypes apart: one flat buffer has one dtype (and, under torch_autocast, one wire dtype)
+    by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype]], List[nn.Parameter]] = {}
     for p in params:
         if id(p) not in single:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_dtype.setdefault((p.dtype, getattr(p, COMM_DTYPE_ATTR, None)), []).append(p)
     for plist in by_dtype.values():
         for idx in group_by_size([p.numel() for p in plist], bucket_elems):
             units.append(FlatParamUnit([plist[i] for i in idx], world=world, rank=rank, index=len(units)))
@@ -172,6 +174,9 @@ def build_engine(
     comms_logger = build_comms_logger(report.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
+    if isinstance(model, PipelineModule) and plan.precision.autocast is not None:
+        raise ConfigError("torch_autocast with a PipelineModule is not implemented yet in shardspeed (its schedule "
+                          "runs the stages without the engine's forward); use bf16.enabled instead")
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, plan.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)
@@ -179,8 +184,7 @@ def build_engine(
     experts = prepare_experts(model, plan, topo, comms_logger)
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device=topo.device)
-    if plan.precision.compute != torch.float32:
-        model.to(dtype=plan.precision.compute)
+    autocast = prepare_precision(model, plan.precision, topo.device)
     tp_state, ties, groups = _model_parallel(plan, model, topo, comms_logger, pipe_plan, groups)
     groups = muon_groups(plan.optimizer.optimizer, model, groups, offload=plan.placement.optimizer != "device",
                          tp=topo.model_size, experts=has_moe_layers(model)[0])
@@ -213,6 +217,7 @@ def build_engine(
         input_check=tp_state.input_check if tp_state is not None else None,
         profile_window=build_profile_window(report.trial, plan.batch, master.units, topo.device),
         world_collectives=Collectives.over(None, comms_logger) if topo.model_size > 1 else None, scope=scope,
+        autocast=autocast,
     )
     engine: Engine
     if pipe_plan is not None:
@@ -337,7 +342,8 @@ def _master_weights(plan: Plan, zero: ZeroRoot, collectives: Collectives, group_
     kwargs: Dict[str, Any] = dict(sharded=sh.partition_optimizer, gather_after_step=sh.gather_after_step,
                                   check_overflow=plan.precision.check_overflow)
     if pl.optimizer == "device" or forward_only:
-        return MasterWeights(zero.units, zero, collectives, group_of, make_optimizer, **kwargs)
+        return MasterWeights(zero.units, zero, collectives, group_of, make_optimizer,
+                             master_dtype=plan.precision.master, **kwargs)
     offload = OffloadPlan(device="cpu" if pl.optimizer == "host" else "nvme", nvme_path=pl.optimizer_path,
                           buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,
                           tile_elems=pl.tile_elems)

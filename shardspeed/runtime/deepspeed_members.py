@@ -1,5 +1,5 @@
-"""DeepSpeedEngine's members that the :class:`~shardspeed.runtime.engine.Engine` takes from this mixin, with
-DeepSpeed's behaviour and return types (DeepSpeed 0.19.8); engine.py keeps the step.
+"""One job: DeepSpeedEngine's members that the :class:`~shardspeed.runtime.engine.Engine` takes from this mixin,
+with DeepSpeed's behaviour and return types (DeepSpeed 0.19.8); engine.py keeps the step.
 
 The getters answer from the parts the builder made (never from the config again), and the config getters
 DeepSpeed has by the hundred are not repeated here: a DeepSpeedEngine member the engine does not provide
@@ -208,6 +208,21 @@ class DeepSpeedMembers:
 
     def bfloat16_enabled(self) -> bool:
         return self._p.train_dtype == torch.bfloat16
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._p.autocast is not None
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        return self._p.autocast
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self._p.master.master_dtype == torch.bfloat16
+
+    def bf16_optimizer_states(self) -> bool:  # implied by bf16 masters here (DeepSpeed requires it without offload)
+        return self._p.master.master_dtype == torch.bfloat16
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return False  # refused at initialize
 
     def zero_optimization(self) -> bool:
         return self._p.zero_stage > 0

@@ -302,6 +302,9 @@ class Engine(DeepSpeedMembers, nn.Module):
             args, kwargs = move_inputs((args, kwargs), self.device, self._p.train_dtype)
             if self._p.input_check is not None:
                 self._p.input_check((args, kwargs))
+            if self._p.autocast is not None:  # torch_autocast
+                with torch.autocast(self.device.type, dtype=self._p.autocast):
+                    return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

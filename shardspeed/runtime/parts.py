@@ -63,6 +63,7 @@ class EngineParts:
     tag_validation: str = "WARN"  # checkpoint.tag_validation: ranks saving under different tags
     async_saves: AsyncSaves = field(default_factory=AsyncSaves)  # the save in flight, its writer group
     scope: EngineScope = field(default_factory=EngineScope)  # what DeepSpeed's module-level functions see of it
+    autocast: Optional[torch.dtype] = None  # torch_autocast: the forward runs under torch.autocast(device, this)
 
 
 def move_inputs(obj, device: torch.device, dtype: torch.dtype):

@@ -32,12 +32,13 @@ def trainable_pieces(units: Sequence[FlatParamUnit], group_of_param: Dict[int, i
              and id(u.params[pc.param_index]) in group_of_param] for u in units]
 
 
-def device_master(unit: FlatParamUnit) -> torch.Tensor:
-    """The fp32 master of a unit on its device: the shard itself when that is fp32 device memory (fp32
-    training updates it in place), else a fp32 copy."""
-    if unit.dtype == torch.float32 and unit.placement.on_device:
+def device_master(unit: FlatParamUnit, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The master (fp32, or bf16 with ``bf16_master_weights_and_grads``) of a unit on its device: the shard
+    itself when that is device memory of the master's dtype (fp32 training, or bf16 training with bf16 masters:
+    updated in place, no copy), else a copy in ``dtype``."""
+    if unit.dtype == dtype and unit.placement.on_device:
         return unit.shard
-    return unit.shard.detach().to(device=unit.device, dtype=torch.float32, copy=True)
+    return unit.shard.detach().to(device=unit.device, dtype=dtype, copy=True)
 
 
 def _counted_ranges(numel: int, skipped: List[Tuple[int, int]]) -> Optional[List[Tuple[int, int]]]:
@@ -92,17 +93,19 @@ class MasterWeights:
         gather_after_step: bool,
         check_overflow: bool,
         make_master: Optional[Callable[[int, FlatParamUnit], Optional[torch.Tensor]]] = None,
+        master_dtype: torch.dtype = torch.float32,
     ):
-        """``make_master(unit_index, unit)``: the fp32 master chunk of a unit with trainable pieces, or None
+        """``make_master(unit_index, unit)``: the master chunk of a unit with trainable pieces, or None
         where it is kept elsewhere (then the optimizer gets placeholder pieces); default
-        :func:`device_master`."""
+        :func:`device_master` in ``master_dtype`` (fp32, or bf16: the optimizer's states follow its dtype)."""
         self.units = list(units)
         self.reducer = reducer
         self.comm = collectives
         self.sharded = sharded  # gradients are partitioned: norms need an all-reduce
         self.gather_after_step = gather_after_step
         self.check_overflow = check_overflow
-        make_master = make_master or (lambda ui, unit: device_master(unit))
+        self.master_dtype = master_dtype
+        make_master = make_master or (lambda ui, unit: device_master(unit, master_dtype))
         self.masters: List[Optional[torch.Tensor]] = []
         self.piece_tensors: List[List[torch.Tensor]] = []
         groups: Dict[int, List[torch.Tensor]] = {}
@@ -117,7 +120,7 @@ class MasterWeights:
             views = []
             for piece in pieces:
                 view = (master[piece.chunk_start : piece.chunk_start + piece.numel] if master is not None
-                        else torch.empty(piece.numel, dtype=torch.float32, device="meta"))
+                        else torch.empty(piece.numel, dtype=master_dtype, device="meta"))
                 views.append(view)
                 groups.setdefault(group_of_param[id(unit.params[piece.param_index])], []).append(view)
             self.piece_tensors.append(views)
@@ -135,7 +138,7 @@ class MasterWeights:
         # a rank with no trainable element at all) holds one empty placeholder tensor, which never has a grad
         for gi in {group_of_param[id(u.params[pi])] for u in self.units for pi in u.grad_params
                    if id(u.params[pi]) in group_of_param} - set(groups):
-            groups[gi] = [torch.zeros(0, dtype=torch.float32, device=self.units[0].device)]
+            groups[gi] = [torch.zeros(0, dtype=master_dtype, device=self.units[0].device)]
         self.group_indices = sorted(groups)
         self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
 
@@ -161,8 +164,8 @@ class MasterWeights:
                 out.append(None)
                 continue
             g = self.reducer.grad_shard(ui)
-            if g is not None and (g.dtype != torch.float32 or g.device != master.device):
-                g = g.to(device=master.device, dtype=torch.float32)  # transient fp32 copy for the step
+            if g is not None and (g.dtype != master.dtype or g.device != master.device):
+                g = g.to(device=master.device, dtype=master.dtype)  # transient copy in the master's dtype
             out.append(g)
         return out
 

@@ -272,7 +272,8 @@ class OwnedUnit:
         """Reduce the sending bucket over ``comm`` (the unit's own group for an expert unit)."""
         bucket = self.sending
         assert bucket is not None
-        wire = bucket if policy.comm_dtype == bucket.dtype or policy.grad_codec else bucket.to(policy.comm_dtype)
+        dtype = self.unit.wire_dtype or policy.comm_dtype  # torch_autocast: the unit's own lower precision
+        wire = bucket if dtype == bucket.dtype or policy.grad_codec else bucket.to(dtype)
         if policy.predivide_factor != 1.0:
             wire.div_(policy.predivide_factor)
         self.wire = wire

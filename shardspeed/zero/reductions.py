@@ -107,7 +107,8 @@ class ReductionQueue:
         self.launch_log.append((o.index, self._hooks_to_come))
         o.take_bucket()
         n = o.unit.layout.padded_numel
-        if n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and o.unit.comm is None:
+        if (n < self.coalesce_numel and self.policy.op is ReduceOp.REDUCE_SCATTER and o.unit.comm is None
+                and o.unit.wire_dtype is None):
             self._small.append(o)
             if sum(s.unit.layout.padded_numel for s in self._small) >= self.coalesce_numel:
                 self._flush_small()

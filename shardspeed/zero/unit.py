@@ -7,12 +7,14 @@ it); stage 3 keeps only ``shard`` and materialises ``full`` while the unit is in
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
+from ..precision.casting import COMM_DTYPE_ATTR
 from .layout import FlatLayout, Piece
 from .placement import DevicePlacement, ShardPlacement
 from .tags import ZeroParamStatus, clear_init_shard, init_shard_of, mark_stage3, set_status  # zero.Init: sliced
@@ -66,6 +68,14 @@ class FlatParamUnit:
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @functools.cached_property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """``torch_autocast``: the dtype every parameter of this unit reduces its gradient in (DeepSpeed's
+        ``comm_dtype`` tag on the parameters of lower-precision-safe modules); None when they differ or none is
+        tagged (the reduce policy's dtype)."""
+        tags = {getattr(p, COMM_DTYPE_ATTR, None) for p in self.params}
+        return tags.pop() if len(tags) == 1 else None
 
     @property
     def shard(self) -> torch.Tensor:

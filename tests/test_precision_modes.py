@@ -1,0 +1,266 @@
+"""Issue 40's precision keys against DeepSpeed 0.19.8 (tests/precision_ds_worker.py under torchrun at world 2,
+once with DeepSpeed and once with shardspeed's ``deepspeed`` package, side by side): ``torch_autocast`` (bf16,
+fp32 parameters) and bf16 master weights with bf16 optimizer states at ZeRO 1-3 give DeepSpeed's losses over 12
+steps (2 micro-batches, clipping) within bf16 tolerance, optimizer states of the same dtype and bytes (bf16 states:
+half of fp32's), and the same ``comm_dtype`` tags. In one process: the refusals DeepSpeed makes, by name; the
+``data_types`` casts; ``torch_autocast`` at stage 0 against plain torch.autocast + AdamW."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardspeed
+from shardspeed.compat import site_path
+from shardspeed.errors import ConfigError
+from shardspeed.estimate.states import estimate_model_state_memory
+from shardspeed.plan import decide
+from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
+from tests.distributed import free_port
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precision_ds_worker.py")
+CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters") for stage in (1, 2, 3)]
+
+
+def _launch(out: str, ours: bool) -> subprocess.Popen:
+    repo = os.path.dirname(os.path.dirname(WORKER))
+    path = os.pathsep.join(([site_path()] if ours else []) + [repo])
+    env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, out]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
+    procs = {name: _launch(folder, name == "ours") for name, folder in out.items()}
+    for name, proc in procs.items():
+        log, _ = proc.communicate(timeout=480)
+        assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
+    loaded = {}
+    for name, folder in out.items():
+        with open(os.path.join(folder, "result.json")) as f:
+            loaded[name] = json.load(f)
+    return loaded
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_states_and_tags_match_deepspeed(runs, case):
+    real, ours = runs["real"][case], runs["ours"][case]
+    assert len(ours["losses"]) == len(real["losses"]) == 12
+    diffs = [abs(a - b) for a, b in zip(ours["losses"], real["losses"])]
+    assert max(diffs) < 1e-3, (case, diffs)  # bf16 rounding; observed ~2e-4
+    assert ours["losses"][-3:] != ours["losses"][:3]  # it trained
+    assert ours["state_dtypes"] == real["state_dtypes"]
+    assert ours["state_bytes"] == real["state_bytes"]
+    assert ours["param_dtype"] == real["param_dtype"]
+    assert ours["comm_dtype"] == real["comm_dtype"]
+
+
+def test_bf16_optimizer_states_are_half_the_bytes(runs):
+    ours = runs["ours"]
+    for stage in (1, 2, 3):
+        fp32, bf16 = ours[f"autocast_z{stage}"], ours[f"bf16_masters_z{stage}"]
+        assert fp32["state_dtypes"] == ["torch.float32"] and bf16["state_dtypes"] == ["torch.bfloat16"]
+        # 5896 parameters, two Adam moments, sharded over 2 ranks
+        assert fp32["state_bytes"] == [5896 // 2 * 2 * 4] * 2 and bf16["state_bytes"] == [5896 // 2 * 2 * 2] * 2
+        # the estimator prices the same bytes (bf16 masters are the bf16 parameters themselves: no copy)
+        assert estimate_model_state_memory(5896, 2, stage, "fp32").optimizer_device == fp32["state_bytes"][0]
+        assert estimate_model_state_memory(5896, 2, stage, "bf16", bf16_masters=True).optimizer_device \
+            == bf16["state_bytes"][0]
+    assert ours["autocast_z1"]["comm_dtype"] == ["torch.bfloat16", "None"]
+    # the Linear layers' gradients go on the wire in bf16; the LayerNorm's in fp32 (a unit of its own at
+    # stages 1-2; at stage 3 the units are modules, so each Linear reduces in bf16 and the LayerNorm in fp32)
+    for stage in (1, 2, 3):
+        wires = ours[f"autocast_z{stage}"]["wire_dtypes"]
+        assert "torch.bfloat16" in wires and "None" in wires, (stage, wires)
+    assert set(ours["bf16_masters_z1"]["wire_dtypes"]) == {"None"}
+
+
+def _cfg(**extra) -> dict:
+    return dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}, **extra)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+     "bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+     "bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+      "zero_optimization": {"stage": 0}}, "bf16.bf16_master_weights_and_grads is only supported with ZeRO stage 1"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+     "fp16.fp16_master_weights_and_grads: DeepSpeed allows fp16 masters only with ZeRO-Offload"),
+    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype 'bf16' conflicts with the training dtype"),
+    ({"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     "torch_autocast.enabled with zero_optimization.zero_quantized_weights"),
+])
+def test_refused_as_deepspeed_refuses(extra, fragment):
+    with pytest.raises(ConfigError) as e:
+        decide(_cfg(**extra), 1)
+    assert fragment in str(e.value)
+
+
+def test_plan_of_each_mode():
+    p = decide(_cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+                    data_types={"param_dtype": "bfloat16"}), 1).precision
+    assert (p.compute, p.master, p.autocast) == (torch.bfloat16, torch.bfloat16, None)
+    a = decide(_cfg(torch_autocast={"enabled": True, "dtype": "fp16",
+                                    "lower_precision_safe_modules": ["torch.nn.Linear"]}), 1).precision
+    assert (a.compute, a.master, a.autocast.dtype, a.autocast.safe_modules) == (
+        torch.float32, torch.float32, torch.float16, ("torch.nn.Linear",))
+    assert a.loss_scale.dynamic and a.loss_scale.window == 2000 and a.loss_scale.hysteresis == 1  # GradScaler's
+
+
+class _Rotary(torch.nn.Module):
+    _keep_in_fp32_modules_strict = ["inv_freq"]
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.rand(4))
+        self.register_buffer("mask", torch.rand(4))
+
+
+def test_data_types_cast_parameters_not_buffers_unless_asked():
+    m = _Rotary()
+    cast_module(m, torch.bfloat16, None, "auto")
+    assert m.lin.weight.dtype == torch.bfloat16 and m.mask.dtype == m.inv_freq.dtype == torch.float32
+    m = _Rotary()
+    assert cast_module(m, torch.bfloat16, torch.bfloat16, "auto") == 1
+    assert m.mask.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32  # kept by the model's own list
+    m = _Rotary()
+    cast_module(m, torch.bfloat16, torch.bfloat16, [])
+    assert m.inv_freq.dtype == torch.bfloat16
+    assert keep_in_fp32_pattern(_Rotary(), ["lin*"], torch.float32) is None  # fp32 training keeps nothing
+    assert keep_in_fp32_pattern(_Rotary(), ["m*sk"], torch.float16).search("mask")
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def test_torch_autocast_stage0_equals_plain_torch_autocast(monkeypatch):
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+           "torch_autocast": {"enabled": True, "dtype": "bf16"},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}
+    engine, *_ = shardspeed.initialize(model=_net(), config=cfg)
+    ref = _net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(6):
+            x = torch.randn(4, 8, generator=gen)
+            y = torch.cos(x[:, :4])
+            loss = (engine(x).float() - y).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = ref(x)
+            ref_loss = (out.float() - y).pow(2).mean()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert abs(float(loss.detach()) - float(ref_loss.detach())) < 1e-5
+        assert next(engine.module.parameters()).dtype == torch.float32
+        for p, q in zip(engine.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        engine.destroy()
+
+
+def _states(engine) -> list:
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return [v for st in inner.state.values() for k, v in sorted(st.items()) if k != "step" and v.dim() > 0]
+
+
+def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog):
+    """Saved with bf16 masters, loaded by an engine with fp32 masters (and back): the weights and Adam's moments
+    convert, one log line names the conversion, and training goes on."""
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    full = dict(base, bf16={"enabled": True})
+    gen = torch.Generator().manual_seed(5)
+
+    def train(engine, steps):
+        for _ in range(steps):
+            x = torch.randn(4, 8, generator=gen)
+            engine.backward((engine(x).float() - torch.cos(x[:, :4])).pow(2).mean())
+            engine.step()
+
+    a, *_ = shardspeed.initialize(model=_net(), config=low)
+    b = None
+    try:
+        train(a, 3)
+        a.save_checkpoint(str(tmp_path), tag="low")
+        saved = [t.clone() for t in _states(a)]
+        assert {t.dtype for t in saved} == {torch.bfloat16}
+        b, *_ = shardspeed.initialize(model=_net(), config=full)
+        with caplog.at_level("INFO", logger="shardspeed"):
+            b.load_checkpoint(str(tmp_path), tag="low")
+        assert "checkpoint master weights and optimizer states are bfloat16, this engine's are float32" in caplog.text
+        assert [t.dtype for t in _states(b)] == [torch.float32] * len(saved)
+        assert all(torch.equal(t, s.float()) for t, s in zip(_states(b), saved))
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)
+        train(b, 1)
+        b.save_checkpoint(str(tmp_path), tag="full")
+        moved = [t.clone() for t in _states(b)]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="shardspeed"):
+            a.load_checkpoint(str(tmp_path), tag="full")
+        assert "are float32, this engine's are bfloat16: converting them float32 -> bfloat16" in caplog.text
+        assert all(torch.equal(t, s.bfloat16()) for t, s in zip(_states(a), moved))
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)  # bf16 parameters: the fp32 masters rounded, as b's own
+        train(a, 1)
+    finally:
+        a.destroy()
+        if b is not None:
+            b.destroy()
+
+
+def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
+    from shardspeed.pipe import PipelineModule
+    from tests.pipe_models import mlp_specs
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    model = PipelineModule(layers=mlp_specs(), num_stages=1, loss_fn=torch.nn.MSELoss())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "torch_autocast": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match="torch_autocast with a PipelineModule is not implemented yet"):
+        shardspeed.initialize(model=model, config=cfg)
+
+
+def test_engine_getters_of_the_precision_modes(monkeypatch):
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "torch_autocast": {"enabled": True},
+           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = shardspeed.initialize(model=_net(), config=cfg)
+    try:
+        assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16  # CPU's default
+        assert engine.bf16_master_weights_and_gradients() and engine.bf16_optimizer_states()
+        assert not engine.fp16_master_weights_and_gradients()
+    finally:
+        engine.destroy()
