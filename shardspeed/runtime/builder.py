@@ -174,9 +174,6 @@ def build_engine(
     comms_logger = build_comms_logger(report.comms_logger)
     collectives = Collectives(topo, comms_logger)
     pipe_plan = None
-    if isinstance(model, PipelineModule) and plan.precision.autocast is not None:
-        raise ConfigError("torch_autocast with a PipelineModule is not implemented yet in shardspeed (its schedule "
-                          "runs the stages without the engine's forward); use bf16.enabled instead")
     if isinstance(model, PipelineModule):  # this rank's stages, built before anything reads the parameters
         pipe_plan = plan_pipeline(model, plan.pipeline, topo, comms_logger)
         model_parameters = _current_parameters(model, model_parameters)

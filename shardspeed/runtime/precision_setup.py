@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from ..pipe.module import PipelineModule
 from ..plan.types import PrecisionPlan
 from ..precision.casting import cast_module, safe_module_classes, tag_lower_precision_params
 
@@ -25,6 +27,9 @@ def prepare_precision(model: nn.Module, precision: PrecisionPlan, device: torch.
     ac = precision.autocast
     if ac is None:
         return None
+    if isinstance(model, PipelineModule):
+        raise ConfigError("torch_autocast with a PipelineModule is not implemented yet in shardspeed (its schedule "
+                          "runs the stages without the engine's forward); use bf16.enabled instead")
     dtype = ac.dtype if ac.dtype is not None else torch.get_autocast_dtype(device.type)
     tag_lower_precision_params(model, safe_module_classes(ac.safe_modules), dtype)
     return dtype
