@@ -32,6 +32,7 @@ from ..moe.autoep import ExpertParallelExperts
 from ..moe.layer import MoE, MOELayer
 
 logger = logging.getLogger("shardspeed.compile")
+_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 
 #: modules that stay eager by design: data-dependent token dispatch, all-to-alls
 EAGER_TYPES: Tuple[type, ...] = (MoE, MOELayer, ExpertParallelExperts)
@@ -135,10 +136,10 @@ def compile_engine_model(model: nn.Module, device: torch.device, backend: Any,
     compiled autograd) and :func:`check_backend`. ``compile_kwargs`` go to ``torch.compile`` (``mode``,
     ``dynamic``, ``fullgraph``, ``options``)."""
     if schedule is not None:
-        raise not_provided("deepspeed.runtime.engine.DeepSpeedEngine.compile(schedule=...): DeepCompile's pass schedule (shardspeed compiles "
+        raise not_provided(f"{_ENGINE}.compile(schedule=...): DeepCompile's pass schedule (shardspeed compiles "
                            "blocks with torch.compile; leave schedule=None)")
     if compiled_autograd_enabled:
-        raise not_provided("deepspeed.runtime.engine.DeepSpeedEngine.compile(compiled_autograd_enabled=True): compiled autograd (the "
+        raise not_provided(f"{_ENGINE}.compile(compiled_autograd_enabled=True): compiled autograd (the "
                            "engine's gradient hooks run eagerly; leave it False)")
     check_backend(backend, device)
     return compile_model(model, backend, compile_options(backend, compile_kwargs))
