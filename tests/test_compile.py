@@ -1,5 +1,6 @@
-"""engine.compile(): compiled blocks train as eager ones at every ZeRO stage, with no graph break inside a
-block, bounded recompiles, bit-identical resume, and one line when inductor has no C++ compiler.
+"""engine.compile(): compiled blocks train as eager ones at every ZeRO stage (checkpointed, offloaded, a Llama),
+with no graph break inside a block, bounded recompiles, bit-identical resume, and one line when inductor has
+no C++ compiler.
 
 One 2-rank gloo group checks the training cases with the ``aot_eager`` backend (dynamo and AOTAutograd as
 inductor runs them, without C++ code generation: seconds instead of a minute per graph on 2 cores); one
@@ -36,11 +37,13 @@ def _llama():
                                         use_cache=False))
 
 
-def _config(stage: int, ac: str = "") -> dict:
+def _config(stage: int, ac: str = "", offload: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
            "compile": {"deepcompile": False}}
+    if offload:
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     if ac:
         cfg["activation_checkpointing"] = {"enabled": True, "policy": ac}
     return cfg
@@ -75,10 +78,10 @@ def _counts() -> tuple:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def _run(stage: int, compiled: bool, ac: str = "", hf: bool = False) -> dict:
+def _run(stage: int, compiled: bool, ac: str = "", hf: bool = False, offload: bool = False) -> dict:
     import shardspeed
 
-    engine, *_ = shardspeed.initialize(model=_llama() if hf else _gpt(), config=_config(stage, ac))
+    engine, *_ = shardspeed.initialize(model=_llama() if hf else _gpt(), config=_config(stage, ac, offload))
     if compiled:
         engine.compile(backend="aot_eager")
     graphs, breaks = _counts()
@@ -177,6 +180,10 @@ def _group(folder: str) -> dict:
     for r in pair:
         r.pop("engine").destroy()
     cases["stage3-checkpointed"] = pair
+    pair = _run(3, False, offload=True), _run(3, True, offload=True)  # optimizer and parameters on the host
+    for r in pair:
+        r.pop("engine").destroy()
+    cases["stage3-offload"] = pair
     pair = _run(3, False, hf=True), _run(3, True, hf=True)
     for r in pair:
         r.pop("engine").destroy()
