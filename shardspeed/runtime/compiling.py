@@ -54,11 +54,18 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
+def _checkpoints_itself(m: nn.Module) -> bool:
+    """A Hugging Face layer with gradient checkpointing on: its own forward calls the checkpoint, which dynamo
+    cannot trace with shardspeed's function; its children are compiled instead (inside the checkpoint)."""
+    return getattr(m, "gradient_checkpointing", False) is True
+
+
 def _hook_free(m: nn.Module) -> List[nn.Module]:
     """``m`` when nothing below it is hooked or eager by design; else its children's hook-free subtrees."""
     if isinstance(m, EAGER_TYPES):
         return []
-    if not any(_hooked(d) or isinstance(d, EAGER_TYPES) for d in m.modules() if d is not m):
+    if not _checkpoints_itself(m) and not any(_hooked(d) or isinstance(d, EAGER_TYPES)
+                                              for d in m.modules() if d is not m):
         return [m]
     return [t for c in m.children() for t in _hook_free(c)]
 
