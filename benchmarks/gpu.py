@@ -14,6 +14,9 @@ peak is that system's own and nothing is left over from the previous one:
 - ``ss2``/``ss3``          shardspeed ZeRO stage 2 / 3, ``bf16: {enabled: true}`` (bf16 weights, fp32 master)
 - ``ss2-off``/``ss3-off``  the same with ``offload_optimizer: {device: cpu}`` (ss3-off also asks ``offload_param``)
 - ``ds2``/``ds3``/``ds2-off``/``ds3-off``  DeepSpeed with the same config, where ``import deepspeed`` works
+- ``-c`` after a name (``fsdp2-c``, ``ss3-c``, ``ds3-c``, ``torch-c``): compiled with inductor: each block's
+  forward (torch, FSDP2 before ``fully_shard``), shardspeed's and DeepSpeed's ``engine.compile()``;
+  ``first_step_s`` (the first warm-up step) holds the compile time
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps each between two CUDA events (one sync at the end);
 median s/step, tokens/s = micro-batch × seq / s, model TFLOP/s = ``GPT.flops_per_token(seq)`` × tokens/s /
@@ -37,7 +40,8 @@ from typing import List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-DEFAULT_SYSTEMS = ["torch", "fsdp2", "ss2", "ss3", "ss2-off", "ds2", "ds3", "ds2-off", "ss3-off", "ds3-off"]
+DEFAULT_SYSTEMS = ["torch", "fsdp2", "fsdp2-c", "ss2", "ss3", "ss3-c", "ss2-off", "ds2", "ds3", "ds3-c", "ds2-off",
+                   "ss3-off", "ds3-off"]
 LR, WD, CLIP = 1e-4, 0.1, 1.0
 
 #: Figures to beat (one H200, same model and batch; /work/shared/reference/anchors.md): s/step, tokens/s,
@@ -90,7 +94,9 @@ def _child(args) -> dict:
     import shardspeed
     from shardspeed.models.gpt import GPT, GPTConfig
 
-    system = args.child
+    name = args.child
+    compiled = name.endswith("-c")  # compiled with inductor
+    system = name[:-2] if compiled else name
     cuda = torch.cuda.is_available() and not args.dry_run
     shardspeed.init_distributed()  # NCCL on CUDA, gloo on CPU; world 1
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -104,6 +110,9 @@ def _child(args) -> dict:
     with torch.device(device):  # initialise on the accelerator: seconds instead of a minute on the host
         model = GPT(cfg)
     n_params = model.num_params()
+    if compiled and system in ("torch", "fsdp2"):  # each block's forward; FSDP2's hooks stay eager around it
+        for blk in model.blocks:
+            blk.forward = torch.compile(blk.forward, backend="inductor")
     flops_per_token = model.flops_per_token(seq)
     kernel = ""
     if system == "torch":
@@ -141,6 +150,8 @@ def _child(args) -> dict:
         config = ds_style_config(system, args.micro_batch, args.sub_group_size)
         config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
         engine, *_ = shardspeed.initialize(model=model, config=config)
+        if compiled:
+            engine.compile(backend="inductor")
         kernel = "shardspeed host Adam (torch fused CPU kernel)" if system.endswith("-off") else "torch AdamW"
 
         def step(x, y):
@@ -171,6 +182,8 @@ def _child(args) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
             kernel = "torch AdamW fused" + (" (host)" if system.endswith("-off") else "")
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+        if compiled:
+            engine.compile(backend="inductor")
 
         def step(x, y):
             loss = engine(x, y)
@@ -185,8 +198,11 @@ def _child(args) -> dict:
     for _ in range(min(args.warmup + args.steps, 4)):
         data = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq + 1), generator=g)
         batches.append((data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)))
+    first_step_s = None
     for i in range(args.warmup):
-        step(*batches[i % len(batches)])
+        t = time.perf_counter()
+        float(step(*batches[i % len(batches)]))
+        first_step_s = time.perf_counter() - t if first_step_s is None else first_step_s
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -208,7 +224,7 @@ def _child(args) -> dict:
     med = statistics.median(times)
     tokens = args.micro_batch * seq
     return {
-        "system": system, "status": "ok", "preset": args.preset, "params": n_params, "micro_batch": args.micro_batch,
+        "system": name, "status": "ok", "first_step_s": first_step_s, "preset": args.preset, "params": n_params, "micro_batch": args.micro_batch,
         "seq": seq, "warmup": args.warmup, "timed_steps": args.steps, "optimizer_kernel": kernel,
         "build_s": round(build_s, 2), "s_per_step": med, "min_s_per_step": min(times), "max_s_per_step": max(times),
         "step_times": times, "tokens_per_s": tokens / med, "flops_per_token": flops_per_token,
@@ -270,7 +286,7 @@ def table(rows: List[dict], anchors: bool = True) -> str:
             out.append(f"| {s} | {r.get('status')}: {r.get('message', '')[:160]} | | | | | | | | |")
             continue
         peer = "ds" + s[2:] if s.startswith("ss") else None
-        fs = by.get("fsdp2", {})
+        fs = by.get("fsdp2-c" if s.endswith("-c") else "fsdp2", {})
         ds = by.get(peer, {}) if peer else {}
         anchor = (ANCHORS.get(s) or (ANCHORS.get(peer) if peer else None)) if anchors else None
         out.append(

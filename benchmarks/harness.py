@@ -411,9 +411,12 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
                 msg = "\n" + g.message
             log(f"  [{model_name}] {s:8s} {g.status}{msg}")
         live = [s for s in systems if groups[s].status == "ok"]
+        first_step: Dict[str, float] = {}  # the first warm-up step (a compiled system compiles in it)
         for s in list(live):  # warm-up, untimed; a system that fails is reported, the others go on
             try:
-                groups[s].run(warmup, timed=False)
+                warm = groups[s].run(warmup, timed=False)
+                if warm:
+                    first_step[s] = warm[0]
             except RuntimeError as exc:
                 groups[s].status, groups[s].message = "failed", _last_line(str(exc))
                 log(f"  [{model_name}] {s} FAILED in warm-up: {groups[s].message}")
@@ -446,6 +449,7 @@ def run_interleaved(systems: List[str], model_name: str, *, dtype: str = "fp32",
             reps = g.report()
             results[s] = summarise(s, model_name, dtype, world, g.info, times[s], reps)
             results[s]["block_medians"] = block_medians[s]
+            results[s]["first_step_s"] = first_step.get(s)
         ok = True
     finally:
         for g in groups.values():

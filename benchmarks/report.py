@@ -75,6 +75,10 @@ def add_ratios(rows: Dict[str, dict]) -> None:
             r[key] = statistics.median(per_round) if per_round else None
             r[key + "_rounds"] = per_round  # the spread: min..max of the per-round ratios
             r[key + "_of_medians"] = r["median_step_s"] / t(peer) if peer and t(peer) else None
+        if s.endswith("-c"):  # compiled: against the same system eager, and against FSDP2 compiled
+            eager, fsdp2c = paired(r, s[:-2]), paired(r, "fsdp2-c")
+            r["compiled_vs_eager"] = statistics.median(eager) if eager else None  # < 1: compiled is faster
+            r["vs_fsdp2_c"] = statistics.median(fsdp2c) if fsdp2c else None
         base = paired(r, s + "@base")  # a paired run (run.py --base): this tree over the other one
         r["vs_base"] = statistics.median(base) if base else None
         r["vs_base_rounds"] = base

@@ -7,6 +7,9 @@ clipping 1.0 and AdamW everywhere) plus a few introspection helpers. Names:
 - ``fsdp2``                     ``fully_shard`` on every block, then on the root
 - ``ds0`` .. ``ds3``            DeepSpeed ZeRO stage k; ``ds2-off`` / ``ds3-off`` with CPU offload
 - ``ss0`` .. ``ss3``            shardspeed stage k;   ``ss2-off`` / ``ss3-off`` with CPU offload
+- ``-c`` after any of these (``ss3-c``, ``fsdp2-c``, ``ds3-c``): compiled with inductor: shardspeed's
+  ``engine.compile()`` (each block's forward), FSDP2 with ``torch.compile`` of each block's forward before
+  ``fully_shard`` (torchtitan's per-block compile), DeepSpeed's ``engine.compile()`` (the whole module)
 
 All use the same optimizer kernel (torch AdamW, fused where torch has it for the tensors involved), so
 differences measure the data-parallel machinery and not the optimizer arithmetic.
@@ -127,12 +130,20 @@ class DDPSystem(System):
         return {"all_reduce": float(sum(sizes))}
 
 
+def compiled(system: str) -> bool:
+    """``-c`` in the system's name: compiled with inductor."""
+    return "c" in system.split("-")[1:]
+
+
 class FSDP2System(System):
-    def __init__(self, model, dtype: str = "fp32"):
+    def __init__(self, model, dtype: str = "fp32", system: str = "fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.name = "fsdp2"
+        self.name = system
+        if compiled(system):  # each block's forward, FSDP2's hooks eager around it (as shardspeed's)
+            for block in model.blocks:
+                block.forward = torch.compile(block.forward, backend="inductor")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy()
         if dtype == "bf16":  # bf16 compute and bf16 reduce, fp32 sharded master (shardspeed's bf16 default)
@@ -182,6 +193,8 @@ class DeepSpeedSystem(System):
         opt = _adamw(trainable(model))
         self.kernel = opt.kernel
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
+        if compiled(system):
+            self.engine.compile(backend="inductor")
 
     def step(self, x, y):
         loss = self.engine(x, y)
@@ -215,6 +228,8 @@ class ShardspeedSystem(System):
         cfg = ds_config(system, micro_batch, dtype)
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
         self.engine, *_ = shardspeed.initialize(model=model, config=cfg)
+        if compiled(system):
+            self.engine.compile(backend="inductor")
         opt = self.engine.optimizer
         self.kernel = "fused" if any(g.get("fused") for g in opt.param_groups) else (
             "foreach" if any(g.get("foreach") for g in opt.param_groups) else "default")
@@ -240,8 +255,8 @@ class ShardspeedSystem(System):
 def build_system(system: str, model, micro_batch: int, dtype: str = "fp32") -> System:
     if system == "ddp":
         return DDPSystem(model, dtype)
-    if system == "fsdp2":
-        return FSDP2System(model, dtype)
+    if system.split("-")[0] == "fsdp2":
+        return FSDP2System(model, dtype, system)
     if system.startswith("ds"):
         return DeepSpeedSystem(model, system, micro_batch, dtype)
     if system.startswith("ss"):

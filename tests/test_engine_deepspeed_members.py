@@ -154,14 +154,14 @@ def _offload_job(stage, dtype, offload):
 
 
 def _small_members():
-    """compile, loss_scale(), cur_scale, config, get_mom() with SGD, a member not provided."""
+    """compile(schedule=...), loss_scale(), cur_scale, config, get_mom() with SGD, a member not provided."""
     import shardspeed
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}},
            "fp16": {"enabled": False, "loss_scale": 128}}
     engine, *_ = shardspeed.initialize(model=nn.Linear(2, 2), config=cfg)
     errors = []
-    for call in (engine.compile, lambda: engine.zero_quantized_weights()):
+    for call in (lambda: engine.compile(schedule=[(0, [])]), lambda: engine.zero_quantized_weights()):
         try:
             call()
         except AttributeError as e:
@@ -190,8 +190,8 @@ def test_offload_states_and_small_members():
                 "offload_states(include=...): unknown state 'weights'; use optim_states, hp_params, lp_params, "
                 "lp_grads, contiguous_grad_buffer", "step() after offload_states(): call engine.reload_states() first"]
         errors, scale, cur, same, mom, parsed = small
-        assert errors == [["NotProvidedError", ONE_LINE + "compile: torch.compile of the engine is not implemented "
-                           "yet (issue 39); compile the model before shardspeed.initialize"],
+        assert errors == [["NotProvidedError", ONE_LINE + "compile(schedule=...): DeepCompile's pass schedule "
+                           "(shardspeed compiles blocks with torch.compile; leave schedule=None)"],
                           ["NotProvidedError", ONE_LINE + "zero_quantized_weights"]]
         assert (scale, cur, same, mom, parsed) == (128.0, 1.0, True, [0.5], 128.0)
 

@@ -76,7 +76,7 @@ def _repeated_blocks(model: nn.Module) -> List[nn.Module]:
         if not isinstance(m, nn.ModuleList) or len(m) < 2:
             continue
         kinds = {type(c) for c in m}
-        size = sum(p.numel() for p in m.parameters())
+        size = sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters())  # ZeRO-3: placeholders
         if len(kinds) == 1 and size > best[0]:
             best = (size, list(m))
     return best[1]
@@ -94,6 +94,23 @@ class _CheckpointedForward:
         if self.block.training and torch.is_grad_enabled():
             return self.fn(self.original, *args, **kwargs)
         return self.original(*args, **kwargs)
+
+
+def inner_forward(block: nn.Module) -> Callable[..., Any]:
+    """The forward a checkpoint of ``block`` wraps (``block.forward`` when it is not checkpointed here)."""
+    return block.__dict__.get(_ORIGINAL) or block.forward
+
+
+def set_inner_forward(block: nn.Module, fn: Callable[..., Any]) -> None:
+    """Make ``fn`` the forward of ``block``, inside its checkpoint when it is checkpointed here (torch.compile
+    of a block keeps the checkpoint outside the compiled code)."""
+    if _ORIGINAL in block.__dict__:
+        block.__dict__[_ORIGINAL] = fn
+        wrapper = block.__dict__["forward"]
+        if isinstance(wrapper, _CheckpointedForward):
+            wrapper.original = fn
+    else:
+        block.forward = fn
 
 
 def _wrap(block: nn.Module, fn: Callable[..., Any]) -> None:
@@ -128,8 +145,11 @@ def uncheckpoint_blocks(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if _ORIGINAL in m.__dict__:
-            del m.__dict__["forward"]
-            del m.__dict__[_ORIGINAL]
+            original = m.__dict__.pop(_ORIGINAL)
+            if getattr(original, "__self__", None) is m:  # the class's forward, bound
+                del m.__dict__["forward"]
+            else:  # a forward replaced on the instance before (engine.compile's): kept
+                m.__dict__["forward"] = original
             n += 1
     if _is_hf(model) and getattr(model, "is_gradient_checkpointing", False):
         _hf_method(model, "disable")()

@@ -53,8 +53,8 @@ Differences from DeepSpeed:
   (docs/parallelism.md).
 - Refused with a specific message: `amp` (use `bf16`/`fp16`), `elasticity`, features removed from
   DeepSpeed, and feature blocks shardspeed does not implement (`hybrid_engine`,
-  `data_efficiency`, `compile`, `weight_quantization`, `datastates`) unless they
-  are `{"enabled": false}`.
+  `data_efficiency`, `weight_quantization`, `datastates`) unless they
+  are `{"enabled": false}`; in `compile`, `deepcompile` and DeepCompile's own keys (docs/compile.md).
 - Mixture of experts (docs/moe.md): a model's `shardspeed.moe.MoE` layers (their largest `ep_size`) or
   `expert_parallel.autoep_size` size the mesh's expert dimension, carved out of the data ranks: dense
   parameters are sharded over data × expert, expert parameters over the expert-data group.

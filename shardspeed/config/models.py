@@ -25,6 +25,7 @@ from .blocks import (
     TensorParallelConfig,
     WandbConfig,
 )
+from .compile import CompileConfig
 from .expert import ExpertParallelConfig
 from .precision import (
     TORCH_DTYPES,
@@ -42,7 +43,7 @@ _REMOVED = "was removed from DeepSpeed and is not supported; remove it"
 _NOT_IMPLEMENTED = "is a DeepSpeed feature shardspeed does not implement; remove the block"
 
 # Feature blocks shardspeed does not implement: accepted only when absent, null or {"enabled": false}.
-_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency", "compile",
+_UNIMPLEMENTED_BLOCKS = ("hybrid_engine", "data_efficiency",
                          "weight_quantization", "datastates")
 
 
@@ -118,6 +119,8 @@ class ShardspeedConfig(ConfigModel):
                                                   "(`autoep_size` sizes the mesh's expert dimension).")
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig, description="Autotuning "
                                          "(`shardspeed autotune`) and a trial's profiling.")
+    compile: CompileConfig = field(default_factory=CompileConfig, description="engine.compile()'s settings "
+                                   "(docs/compile.md); DeepCompile's keys refused.")
     # Accepted for compatibility, not acted on.
     seq_parallel_communication_data_type: Optional[DtypeName] = field(
         "fp32", "DeepSpeed: gradient dtype of sequence-parallel collectives.", ignored=True)

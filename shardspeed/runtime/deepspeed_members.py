@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import TYPE_CHECKING, Any, Callable, Container, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Container, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -386,11 +386,18 @@ class DeepSpeedMembers:
     # ---- compile, export ----------------------------------------------------------------------------------
     @property
     def is_compiled(self) -> bool:
-        return False
+        """Whether :meth:`compile` ran (DeepSpeed's property)."""
+        return bool(self.__dict__.get("_compiled_modules"))
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        raise not_provided(f"{ENGINE_NAME}.compile: torch.compile of the engine is not implemented yet (issue 39); "
-                           "compile the model before shardspeed.initialize")
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[Dict[str, Any]] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` each transformer block's forward, the engine's hooks eager at the blocks'
+        boundaries (DeepSpeed's signature; :func:`shardspeed.runtime.compiling.compile_engine_model`)."""
+        from .compiling import compile_engine_model
+
+        if not self.is_compiled:
+            self.__dict__["_compiled_modules"] = compile_engine_model(
+                self.module, self._p.topology.device, backend, compile_kwargs, schedule, compiled_autograd_enabled)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""
