@@ -12,6 +12,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import traceback
 from typing import Any, Callable, List, Sequence
 
@@ -132,3 +134,16 @@ def one_and_two_rank_fixtures(fn: Callable, timeout: float = 300.0):
         return request.getfixturevalue(request.param)
 
     return world1, world2, ranks
+
+
+def launch_pair_worker(worker: str, out: str, ours: bool) -> subprocess.Popen:
+    """``worker`` on 2 ranks under torchrun, writing to ``out``: with real DeepSpeed (``ours`` False) or with
+    shardspeed's ``deepspeed`` package first on the path (``ours`` True)."""
+    from shardspeed.compat import site_path
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(worker)))
+    path = os.pathsep.join(([site_path()] if ours else []) + [repo])
+    env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", worker, out]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from shardspeed.compat import site_path
-from tests.distributed import free_port
+from tests.distributed import launch_pair_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_worker.py")
 
 
-def _launch(out: str, ours: bool) -> subprocess.Popen:
-    repo = os.path.dirname(os.path.dirname(WORKER))
-    path = os.pathsep.join(([site_path()] if ours else []) + [repo])
-    env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, out]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +24,7 @@ def runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     pytest.importorskip("trl")
     out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
-    procs = {name: _launch(folder, name == "ours") for name, folder in out.items()}
+    procs = {name: launch_pair_worker(WORKER, folder, name == "ours") for name, folder in out.items()}
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"

@@ -8,38 +8,35 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import shardspeed
-from shardspeed.compat import site_path
 from shardspeed.errors import ConfigError
 from shardspeed.estimate.states import estimate_model_state_memory
 from shardspeed.plan import decide
 from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
-from tests.distributed import free_port
+from tests.distributed import free_port, launch_pair_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precision_ds_worker.py")
 CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters") for stage in (1, 2, 3)]
 
 
-def _launch(out: str, ours: bool) -> subprocess.Popen:
-    repo = os.path.dirname(os.path.dirname(WORKER))
-    path = os.pathsep.join(([site_path()] if ours else []) + [repo])
-    env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, out]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def one_rank_env(monkeypatch) -> None:
+    """The environment of a one-process job (a fresh port)."""
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
-    procs = {name: _launch(folder, name == "ours") for name, folder in out.items()}
+    procs = {name: launch_pair_worker(WORKER, folder, name == "ours") for name, folder in out.items()}
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
@@ -150,9 +147,7 @@ def _net():
 
 
 def test_torch_autocast_stage0_equals_plain_torch_autocast(monkeypatch):
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
+    one_rank_env(monkeypatch)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
            "torch_autocast": {"enabled": True, "dtype": "bf16"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}
@@ -189,9 +184,7 @@ def _states(engine) -> list:
 def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog):
     """Saved with bf16 masters, loaded by an engine with fp32 masters (and back): the weights and Adam's moments
     convert, one log line names the conversion, and training goes on."""
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
+    one_rank_env(monkeypatch)
     base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
@@ -240,9 +233,7 @@ def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
     from shardspeed.pipe import PipelineModule
     from tests.pipe_models import mlp_specs
 
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
+    one_rank_env(monkeypatch)
     model = PipelineModule(layers=mlp_specs(), num_stages=1, loss_fn=torch.nn.MSELoss())
     cfg = {"train_micro_batch_size_per_gpu": 2, "torch_autocast": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -251,9 +242,7 @@ def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
 
 
 def test_engine_getters_of_the_precision_modes(monkeypatch):
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
+    one_rank_env(monkeypatch)
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "torch_autocast": {"enabled": True},
            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
