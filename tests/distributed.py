@@ -147,3 +147,14 @@ def launch_pair_worker(worker: str, out: str, ours: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", worker, out]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_pair_workers(worker: str, tmp_path_factory) -> dict:
+    """:func:`launch_pair_worker` with real DeepSpeed and with ours at once; both must succeed. Returns each
+    run's output folder by name ("real", "ours")."""
+    out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
+    procs = {name: launch_pair_worker(worker, folder, name == "ours") for name, folder in out.items()}
+    for name, proc in procs.items():
+        log, _ = proc.communicate(timeout=480)
+        assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
+    return out

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import launch_pair_worker
+from tests.distributed import run_pair_workers
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_worker.py")
 
@@ -23,11 +23,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_wor
 def runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     pytest.importorskip("trl")
-    out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
-    procs = {name: launch_pair_worker(WORKER, folder, name == "ours") for name, folder in out.items()}
-    for name, proc in procs.items():
-        log, _ = proc.communicate(timeout=480)
-        assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
+    out = run_pair_workers(WORKER, tmp_path_factory)
     loaded = {}
     for name, folder in out.items():
         with open(os.path.join(folder, "checks.json")) as f:

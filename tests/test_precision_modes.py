@@ -17,7 +17,7 @@ from shardspeed.errors import ConfigError
 from shardspeed.estimate.states import estimate_model_state_memory
 from shardspeed.plan import decide
 from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
-from tests.distributed import free_port, launch_pair_worker
+from tests.distributed import free_port, run_pair_workers
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precision_ds_worker.py")
 CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters") for stage in (1, 2, 3)]
@@ -35,11 +35,7 @@ def one_rank_env(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
-    procs = {name: launch_pair_worker(WORKER, folder, name == "ours") for name, folder in out.items()}
-    for name, proc in procs.items():
-        log, _ = proc.communicate(timeout=480)
-        assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"
+    out = run_pair_workers(WORKER, tmp_path_factory)
     loaded = {}
     for name, folder in out.items():
         with open(os.path.join(folder, "result.json")) as f:
