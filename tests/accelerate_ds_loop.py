@@ -28,6 +28,7 @@ from accelerate import Accelerator, DeepSpeedPlugin  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DummyOptim, DummyScheduler, InitProcessGroupKwargs  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from worker_exit import end_distributed  # noqa: E402  (tests/, the folder of this script)
 
 MICRO, GAS, MICRO_BATCHES = 2, 2, 8
 
@@ -125,3 +126,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

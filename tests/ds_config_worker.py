@@ -15,6 +15,7 @@ import deepspeed
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from trl.models.utils import prepare_deepspeed
+from worker_exit import end_distributed  # tests/, the folder of this script
 
 import shardspeed
 from shardspeed.compat import active
@@ -122,3 +123,4 @@ def from_pretrained_under_zero3(rank: int) -> dict:
 
 if __name__ == "__main__":
     main()
+    end_distributed()

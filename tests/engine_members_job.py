@@ -10,6 +10,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from worker_exit import end_distributed  # tests/, the folder of this script
 
 CASES = [(1, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")]
 STEPS = 3  # optimizer steps per case (gradient_accumulation_steps 2: 6 micro-steps)
@@ -147,4 +148,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    end_distributed()
+    sys.exit(code)

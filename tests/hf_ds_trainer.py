@@ -26,6 +26,7 @@ os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 from accelerate import PartialState  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments  # noqa: E402
+from worker_exit import end_distributed  # noqa: E402  (tests/, the folder of this script)
 
 STEPS, MICRO, GAS = 4, 2, 2
 
@@ -131,3 +132,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_distributed()

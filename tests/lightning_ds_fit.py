@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from worker_exit import end_distributed  # tests/, the folder of this script
 
 torch.set_num_threads(1)
 PATCH = "--patch-cpu-check" in sys.argv
@@ -112,3 +113,4 @@ if __name__ == "__main__":
     os.makedirs(sys.argv[1], exist_ok=True)
     for stage in (2, 3):
         fit(sys.argv[1], stage)
+    end_distributed()

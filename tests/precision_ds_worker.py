@@ -11,6 +11,7 @@ import sys
 
 import deepspeed
 import torch
+from worker_exit import end_distributed  # tests/, the folder of this script
 
 OUT = sys.argv[1]
 STEPS, ACCUM = 12, 2
@@ -86,3 +87,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()

@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from worker_exit import end_distributed  # tests/, the folder of this script
 
 torch.set_num_threads(1)
 
@@ -171,3 +172,4 @@ def main(kinds, out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_distributed()
