@@ -111,12 +111,10 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final_weights.safetensors"))
 
 
-@pytest.mark.parametrize("dropout", [
-    "0.0",
-    # dropout draws from torch's global RNG, which the load restores (load_rng_state); the engine's loader has a
-    # generator of its own, so creating its iterator after load_checkpoint draws nothing from that RNG
-    "0.1",
-])
+# with dropout (0.1), which covers the case without: dropout draws from torch's global RNG, which the load
+# restores (load_rng_state); the engine's loader has a generator of its own, so creating its iterator after
+# load_checkpoint draws nothing from that RNG
+@pytest.mark.parametrize("dropout", ["0.1"])
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bit_identical(tmp_path, dropout):
     crashed_log, crashed, crashed_dir = _train(tmp_path, "crashed", "--dropout", dropout,
                                                "--fail-at-step", str(FAIL_AT))
