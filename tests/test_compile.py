@@ -86,8 +86,7 @@ def _run(stage: int, compiled: bool, ac: str = "", hf: bool = False, offload: bo
         engine.compile(backend="aot_eager")
     graphs, breaks = _counts()
     out = {"losses": _train(engine, 0, STEPS, hf), "params": gathered_params(engine),
-           "compiled": engine.is_compiled, "targets": [type(m).__name__ for m in engine.__dict__.get(
-               "_compiled_modules", [])]}
+           "compiled": engine.is_compiled, "targets": [type(m).__name__ for m in engine.compiled_blocks.modules]}
     g, b = _counts()
     out["graphs"], out["breaks"] = g - graphs, b - breaks
     out["engine"] = engine
