@@ -1,4 +1,4 @@
-"""engine.compile() composed with tensor parallelism, Ulysses sequence parallelism and MoE layers, and on
+"""engine.compile() composed with tensor parallelism (our GPT, transformers' Llama), Ulysses sequence parallelism and MoE layers, and on
 transformers' GPT-2 and Mixtral built from configs: 20 compiled steps equal 20 eager ones (fp32, 1e-4 relative;
 backend ``aot_eager``: dynamo and AOTAutograd as inductor runs them), every block one graph with no break inside
 (MoE layers stay eager, their neighbours compile), and a Hugging Face model caching by default trains without
@@ -98,6 +98,10 @@ def _engine_run(name: str, compiled: bool) -> dict:
         from tp_models import make_tp_model
 
         model, cfg, moe = make_tp_model("gpt"), _base(1, 4, tensor_parallel={"autotp_size": 2}), False
+    elif name == "tp-llama":  # transformers' Llama split by its preset: q/k/v and gate/up enter the region once
+        from tp_models import make_tp_model
+
+        model, cfg, moe = make_tp_model("llama"), _base(1, 4, tensor_parallel={"autotp_size": 2}), False
     elif name == "moe":  # 4 experts, 2 per rank (expert parallelism 2), ZeRO-2
         torch.manual_seed(0)
         model, cfg, moe = MoENet(ep=2), _base(2, 2), True
@@ -123,6 +127,9 @@ def _engine_run(name: str, compiled: bool) -> dict:
         elif name == "tp":
             x = _tokens(step, 4, split=False)
             loss = engine(x, torch.roll(x, -1, 1))
+        elif name == "tp-llama":
+            x = _tokens(step, 4, split=False)
+            loss = engine(x, labels=x).loss
         else:
             x = _tokens(step, 2, split=True)
             loss = engine(x, labels=x).loss
@@ -151,7 +158,7 @@ def _sp_run(compiled: bool) -> dict:
 def _group() -> dict:
     logging.getLogger("shardspeed").setLevel(logging.WARNING)
     out = {}
-    for name in ("tp", "moe", "gpt2", "mixtral"):
+    for name in ("tp", "tp-llama", "moe", "gpt2", "mixtral"):
         out[name] = (_engine_run(name, False), _engine_run(name, True))
     out["ulysses"] = (_sp_run(False), _sp_run(True))
     return out
@@ -164,6 +171,7 @@ def _close(a, b) -> bool:
 # case: (compiled targets, graphs at most, trains without the cache)
 EXPECTED = {
     "tp": ({"Block": 2}, 1, False),  # the block's tensor-parallel collectives: functional collectives in the graph
+    "tp-llama": ({"LlamaDecoderLayer": 2}, 1, True),  # the siblings' shared entry kept nothing: no recompile
     # the MoE layers eager; norms and MLPs compiled: LayerNorm twice (the first block's input needs no grad)
     "moe": ({"LayerNorm": 4, "Sequential": 2}, 3, False),
     "gpt2": ({"GPT2Block": 2}, 1, True),
