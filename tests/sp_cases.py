@@ -35,11 +35,12 @@ def plain_sdpa() -> bool:
     return AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward
 
 
-def batches(replicas: int, micro: int, seq: int, pad_tail: int = 0, seed: int = 1) -> List[List[Dict[str, Any]]]:
-    """STEPS steps of one micro-batch per data replica; ``pad_tail`` ignored labels at the end of sample 0."""
+def batches(replicas: int, micro: int, seq: int, pad_tail: int = 0, seed: int = 1,
+            steps: int = STEPS) -> List[List[Dict[str, Any]]]:
+    """``steps`` steps of one micro-batch per data replica; ``pad_tail`` ignored labels at the end of sample 0."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         step = []
         for _ in range(replicas):
             ids = torch.randint(0, VOCAB, (micro, seq), generator=g)
@@ -79,13 +80,15 @@ def config(stage: int, sp: int, micro: int = 1, **extra: Any) -> Dict[str, Any]:
 
 
 def train_sp(model, cfg: Dict[str, Any], steps: List[List[Dict[str, Any]]], *, attention: str = "ulysses",
-             tiled: Optional[int] = None, tiled_loss: int = 1, register_with: Any = None) -> Dict[str, Any]:
+             tiled: Optional[int] = None, tiled_loss: int = 1, register_with: Any = None,
+             compile_backend: Optional[str] = None) -> Dict[str, Any]:
     """The same steps through shardspeed with sequence parallelism: this rank takes its data replica's batch
     and its shard of the sequence; the loss is the built-in token-count combination.
 
     ``register_with`` (a name/path or another loaded model; default ``model``) is what
     ``register_with_transformers`` gets; ``model`` may be a function building the model, called after
-    registering (DeepSpeed's order: register, then build, then initialize)."""
+    registering (DeepSpeed's order: register, then build, then initialize). ``compile_backend``: the engine's
+    blocks compiled with it (``engine.compile``) before the first step."""
     import torch.distributed as dist
 
     import shardspeed
@@ -100,6 +103,8 @@ def train_sp(model, cfg: Dict[str, Any], steps: List[List[Dict[str, Any]]], *, a
     if tiled:
         enable_tiled_mlp(model, tiled)
     engine, *_ = shardspeed.initialize(model=model, config=cfg, mpu=mpu)
+    if compile_backend is not None:
+        engine.compile(backend=compile_backend)
     group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
     layout = "zigzag" if attention == "ring" else "contiguous"
     losses = []

@@ -215,3 +215,35 @@ def test_register_refuses_a_loaded_model_of_another_attention_implementation():
                                           "implementation 'eager'"):
         UlyssesSPAttentionHF.register_with_transformers(llama(attn="eager"), "sdpa", 2, 1)
     assert plain_sdpa()  # refused before anything was registered
+
+
+class _Layer(nn.Module):  # a transformer block holding an attention module
+    def __init__(self, sp: bool):
+        super().__init__()
+        self.attn = _BertAttention(sp)
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+def test_first_forward_check_hooks_the_block_not_the_attention_inside_it():
+    """Attention inside a block (the repeated children of a ModuleList) is checked by hooks on its block, so
+    engine.compile() sees a hook-free block and compiles it whole."""
+    from shardspeed.runtime.compiling import compile_targets
+    from shardspeed.runtime.sequence_parallel.attention_check import check_attention_on_first_forward
+
+    ok = nn.ModuleList([_Layer(True), _Layer(True)])
+    ok.forward = lambda x: ok[1](ok[0](x))  # type: ignore[method-assign]
+    check_attention_on_first_forward(ok, 2)
+    assert all(len(b._forward_hooks) == 1 and len(b._forward_pre_hooks) == 1 for b in ok)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for b in ok for m in b.modules() if m is not b)
+    assert compile_targets(ok) == list(ok)  # whole blocks
+    ok(torch.ones(1, 4))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in ok.modules())
+    bad = nn.ModuleList([_Layer(True), _Layer(False)])
+    bad.forward = lambda x: bad[1](bad[0](x))  # type: ignore[method-assign]
+    check_attention_on_first_forward(bad, 2)
+    with pytest.raises(ConfigError, match=r"^sequence_parallel_size 2: attention module '1.attn.self' "
+                                          r"\(_SelfAttention\) ran plain attention over this rank's shard"):
+        bad(torch.ones(1, 4))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in bad.modules())

@@ -56,6 +56,27 @@ def test_slices_round_trip():
         make_slice("h.0.attn.c_attn", (6, 2), 0, 3, 0, 4)
 
 
+def test_shared_input_enters_once_per_forward_and_keeps_nothing_after():
+    from shardspeed.parallel.tp.layers import SharedInput
+
+    entries = []
+
+    def enter(t):
+        entries.append(t)
+        return t * 2
+
+    shared = SharedInput(3)  # q, k, v
+    for _ in range(2):  # two forwards, each a new input
+        x = torch.ones(2)
+        outs = [shared.enter(x, enter) for _ in range(3)]
+        assert all(o is outs[0] for o in outs)
+        assert shared._last is None  # the last sibling took it: no activation kept between forwards
+    assert len(entries) == 2
+    y = torch.zeros(2)
+    shared.enter(x, enter), shared.enter(y, enter)  # a sibling skipped: a new input still enters afresh
+    assert len(entries) == 4 and entries[-1] is y
+
+
 def test_plans_match_names():
     from shardspeed.parallel.tp.plan import PRESETS, match, rules_from_partition_config
 

@@ -89,10 +89,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hd).transpose(1, 2)
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)
-        with self.rng_fork():
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
+        p = self.dropout if self.training else 0.0
+        # the per-rank stream only where a mask is drawn (swapping generators breaks a torch.compile graph)
+        with self.rng_fork() if p > 0 else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)
         return self.resid_dropout(self.c_proj(y))
 

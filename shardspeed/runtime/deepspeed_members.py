@@ -22,6 +22,7 @@ from ..errors import ConfigError, NotProvidedError, ShardspeedError
 from ..mesh.current import CURRENT
 from ..utils.timer import ThroughputTimer
 from .compat_links import link_engine
+from .compiled_blocks import CompiledBlocks
 from .state_offload import StateOffload
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,6 +107,7 @@ class DeepSpeedMembers:
         self.tput_timer = ThroughputTimer(batch_size=self._p.train_batch_size, steps_per_output=self.steps_per_print())
         link_engine(self)  # DeepSpeed's names find the engine: isinstance(optimizer, DeepSpeedOptimizer), safe_get_*
         self._states = StateOffload(self._p.topology.device)
+        self._compiled = CompiledBlocks()  # engine.compile()
         self._record_overflow(False)
         self._step_applied = False  # no step yet
 
@@ -118,6 +120,7 @@ class DeepSpeedMembers:
         self.wait_checkpoint()
         self._p.scope.close()
         self._p.zero.close()
+        self._compiled.close()
         CURRENT.engines.discard(self)
 
     def train_batch_size(self) -> int:
@@ -387,17 +390,21 @@ class DeepSpeedMembers:
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` ran (DeepSpeed's property)."""
-        return bool(self.__dict__.get("_compiled_modules"))
+        return self._compiled.is_compiled
+
+    @property
+    def compiled_blocks(self) -> CompiledBlocks:
+        """What :meth:`compile` compiled (:class:`~shardspeed.runtime.compiled_blocks.CompiledBlocks`: its
+        ``modules``, ``backend``, ``is_compiled``)."""
+        return self._compiled
 
     def compile(self, backend: Any = "inductor", compile_kwargs: Optional[Dict[str, Any]] = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """``torch.compile`` each transformer block's forward, the engine's hooks eager at the blocks'
-        boundaries (DeepSpeed's signature; :func:`shardspeed.runtime.compiling.compile_engine_model`)."""
-        from .compiling import compile_engine_model
-
-        if not self.is_compiled:
-            self.__dict__["_compiled_modules"] = compile_engine_model(
-                self.module, self._p.topology.device, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+        boundaries (DeepSpeed's signature; :func:`shardspeed.runtime.compiling.compile_engine_model`). A second
+        call does nothing."""
+        self._compiled.compile(self.module, self._p.topology.device, backend, compile_kwargs, schedule,
+                               compiled_autograd_enabled)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""

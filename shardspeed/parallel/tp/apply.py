@@ -231,7 +231,7 @@ def _share_inputs(model: nn.Module) -> None:
             layers = [getattr(parent, n, None) for n in names]
             cols = [m for m in layers if type(m) is ColumnParallelLinear]
             if len(cols) > 1 and len({(m.sequence_parallel, m.group) for m in cols}) == 1:
-                shared = SharedInput()
+                shared = SharedInput(len(cols))
                 for m in cols:
                     m.shared_input = shared
 

@@ -16,12 +16,19 @@ reduce_scatter_seq  reduce-scatter along dim    all-gather along ``dim``
 
 The last two are sequence parallelism's (activations split along the sequence between the tensor-
 parallel regions). At tensor-parallel size 1 every function is the identity and issues nothing.
+
+Under ``torch.compile`` (``engine.compile()``: a block's forward and its compiled backward) the same
+collectives are issued as torch's functional collectives (``torch.distributed._functional_collectives``),
+which dynamo captures as graph nodes: a tensor-parallel block compiles into one graph, with no break at its
+collectives. Those are not counted in the comms log (the log's clock cannot run inside a graph).
 """
 from __future__ import annotations
 
 from typing import Any, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ...comm.collectives import Collectives, CommsLogger
 from ...errors import ConfigError
@@ -41,6 +48,11 @@ class TPGroup:
         """The model group of ``topology`` (its ``model_*`` fields), logging into ``log``."""
         return cls(Collectives.over(topology.model_group, log))
 
+    def _group(self) -> dist.ProcessGroup:
+        """The model group as a functional collective names it (None: the world)."""
+        group = self.comm.group
+        return group if group is not None else dist.distributed_c10d._get_default_group()
+
     def chunk(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of ``x`` cut into ``size`` equal parts along ``dim``."""
         if x.shape[dim] % self.size:
@@ -50,6 +62,8 @@ class TPGroup:
         return x.chunk(self.size, dim=dim)[self.rank].contiguous()
 
     def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if torch.compiler.is_compiling() and op in (None, dist.ReduceOp.SUM):
+            return funcol.all_reduce(x.contiguous(), "sum", self._group())
         out = x.contiguous().clone()
         if op is None:
             self.comm.all_reduce(out)
@@ -60,6 +74,8 @@ class TPGroup:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order."""
         x = x.contiguous()
+        if torch.compiler.is_compiling():
+            return funcol.all_gather_tensor(x, dim % x.dim(), self._group())
         out = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
         self.comm.all_gather(out.view(-1), x.view(-1))
         return torch.cat(out.unbind(0), dim=dim)
@@ -68,6 +84,8 @@ class TPGroup:
         """The sum over ranks of ``x``, this rank's part along ``dim``."""
         if x.shape[dim] % self.size:
             self.chunk(x, dim)  # raises the error naming the shapes
+        if torch.compiler.is_compiling():
+            return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim % x.dim(), self._group())
         parts = torch.stack(x.chunk(self.size, dim=dim)).contiguous()
         out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
         self.comm.reduce_scatter(out.view(-1), parts.view(-1))

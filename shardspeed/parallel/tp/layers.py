@@ -64,16 +64,27 @@ class _TPLinearBase(nn.Module):
 class SharedInput:
     """Column-parallel siblings that read the same input (Llama's q/k/v projections, gate/up) enter the
     tensor-parallel region once: the first call's entry (copy_to / gather_seq) is reused for the same
-    input tensor, so backward sums their input gradients locally and all-reduces once, not once each."""
+    input tensor, so backward sums their input gradients locally and all-reduces once, not once each.
 
-    def __init__(self) -> None:
+    The entry is forgotten when the last of the ``users`` siblings took it, so nothing is kept between
+    forwards: no activation held, and ``torch.compile`` of the block finds the same (empty) state at every
+    call (no recompile after the first). A sibling skipped in a forward only delays that; the identity check
+    keeps a later input from reusing a stale entry."""
+
+    def __init__(self, users: int = 0) -> None:
+        self.users = users
         self._last: Optional[tuple] = None
+        self._taken = 0
 
     def enter(self, x: torch.Tensor, enter_fn) -> torch.Tensor:
         if self._last is not None and self._last[0] is x and self._last[2] == torch.is_grad_enabled():
-            return self._last[1]
-        y = enter_fn(x)
-        self._last = (x, y, torch.is_grad_enabled())
+            y = self._last[1]
+            self._taken += 1
+        else:
+            y = enter_fn(x)
+            self._last, self._taken = (x, y, torch.is_grad_enabled()), 1
+        if self.users and self._taken >= self.users:
+            self._last, self._taken = None, 0
         return y
 
 

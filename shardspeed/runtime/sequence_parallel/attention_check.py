@@ -9,14 +9,20 @@ innermost modules whose class name contains "Attention" (transformers' ``LlamaAt
 reads the mark and raises ``ConfigError`` naming the module when it is missing; a model without such
 modules is checked at the root's first forward for any mark at all. The hooks are removed after the first
 call.
+
+An attention module inside a transformer block (:func:`shardspeed.checkpointing.wrap.find_blocks`: a decoder
+layer) is checked by hooks on its block, at the block's first call, not on the module itself: hooks sit on
+the block's boundary, so ``engine.compile()`` (called between ``initialize`` and the first forward) compiles
+the block whole instead of splitting it around a hooked attention module.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from ...checkpointing.wrap import find_blocks
 from ...errors import ConfigError
 from ...parallel.sp import SP_MARK
 
@@ -40,9 +46,9 @@ class _FirstForwardCheck:
         self.sp, self.model_name = sp, type(model).__name__
         self.handles: List[RemovableHandle] = []
         modules = attention_modules(model)
-        for name, module in modules:
-            own = [module.register_forward_pre_hook(self._clear)]
-            own.append(module.register_forward_hook(self._attention_done(name, own)))
+        for host, checked in _by_host(model, modules).items():
+            own = [host.register_forward_pre_hook(self._clear(checked))]
+            own.append(host.register_forward_hook(self._attention_done(checked, own)))
             self.handles += own
         if not modules:
             self.handles.append(model.register_forward_hook(self._model_done(model)))
@@ -53,15 +59,20 @@ class _FirstForwardCheck:
         self.handles = []
 
     @staticmethod
-    def _clear(module: nn.Module, args: Any) -> None:
-        module.__dict__.pop(SP_MARK, None)
+    def _clear(checked: List[Tuple[str, nn.Module]]):
+        def hook(host: nn.Module, args: Any) -> None:
+            for _, module in checked:
+                module.__dict__.pop(SP_MARK, None)
+        return hook
 
-    def _attention_done(self, name: str, own: List[RemovableHandle]):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def _attention_done(self, checked: List[Tuple[str, nn.Module]], own: List[RemovableHandle]):
+        def hook(host: nn.Module, args: Any, output: Any) -> None:
             for h in own:  # checked once
                 h.remove()
-            if module.__dict__.pop(SP_MARK, False):
+            missing = [(n, m) for n, m in checked if not m.__dict__.pop(SP_MARK, False)]
+            if not missing:
                 return
+            name, module = missing[0]
             self.remove()
             impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
             used = f", attn_implementation {impl!r}" if impl is not None else ""
@@ -77,6 +88,17 @@ class _FirstForwardCheck:
                 raise ConfigError(f"sequence_parallel_size {self.sp}: the first forward of {self.model_name} ran no "
                                   f"attention through the sequence-parallel attention; {ADVICE}")
         return hook
+
+
+def _by_host(model: nn.Module, modules: List[Tuple[str, nn.Module]]) -> Dict[nn.Module, List[Tuple[str, nn.Module]]]:
+    """The attention modules grouped by the module whose hooks check them: their transformer block, else
+    themselves."""
+    blocks = find_blocks(model)
+    inside = {id(d): b for b in blocks for d in b.modules()}
+    out: Dict[nn.Module, List[Tuple[str, nn.Module]]] = {}
+    for name, module in modules:
+        out.setdefault(inside.get(id(module), module), []).append((name, module))
+    return out
 
 
 def check_attention_on_first_forward(model: nn.Module, sequence_parallel_size: int) -> None:
