@@ -11,7 +11,7 @@ cols))``, torch's ``adjust_lr_fn="original"``) and the AdamW gradients, taken fr
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -92,13 +92,13 @@ def gpt_batches(steps: int, global_batch: int, vocab: int = 64, seq: int = 16, s
 
 
 def train(engine, batches: Sequence[Batch], gas: int = 1,
-          data_rank: Callable[[], Tuple[int, int]] | None = None) -> Dict[str, List[float]]:
+          data: Optional[Tuple[int, int]] = None) -> Dict[str, List[float]]:
     """Each step's global mean loss and the engine's ``get_global_grad_norm()``; this rank's part of the batch
-    (``data_rank()``: its data-parallel (rank, size), default the world's: under tensor parallelism every rank
-    of a model group takes the same part)."""
+    (``data``: its data-parallel (rank, size), default the world's: under tensor parallelism every rank of a
+    model group takes the same part)."""
     import torch.distributed as dist
 
-    rank, world = data_rank() if data_rank is not None else (dist.get_rank(), dist.get_world_size())
+    rank, world = data if data is not None else (dist.get_rank(), dist.get_world_size())
     losses, norms = [], []
     for b in batches:
         total = torch.zeros(())
