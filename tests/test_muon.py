@@ -249,6 +249,31 @@ def test_estimator_prices_muon_state_as_the_engine_holds_it(ours, stage):
     assert 2 * est == ours[f"state_bytes{stage}"] and adamw - est == 4 * muon / 2
 
 
+def test_estimate_cli_prices_muon_by_the_formula(tmp_path, capsys):
+    """``shardspeed estimate`` with a Muon config: optimizer state 4 bytes per Muon element (its momentum) and 8
+    per AdamW element (two moments), divided over the data ranks at stages 1-3; no optimizer-offload rows
+    (refused with Muon)."""
+    import json
+
+    from shardspeed.cli import main
+    from shardspeed.models.gpt import GPT, GPTConfig
+    from shardspeed.optim.muon import use_muon
+
+    cfg = tmp_path / "muon.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon"}}))
+    assert main(["estimate", "--preset", "tiny", "--config", str(cfg), "--world", "2", "--no-trace", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        named = dict(GPT(GPTConfig.preset("tiny")).named_parameters())
+    n = sum(p.numel() for p in named.values())
+    muon = sum(p.numel() for name, p in named.items() if use_muon(name, p))
+    assert got["num_params"] == n and 0 < muon < n
+    rows = {r["stage"]: r for r in got["rows"]}
+    assert sorted(rows) == [0, 1, 2, 3] and all(r["offload_optimizer"] == "none" for r in got["rows"])
+    for stage, r in rows.items():
+        assert r["model_states"]["optimizer"] == (4 * muon + 8 * (n - muon)) / (2 if stage else 1)
+
+
 def test_keys_defaults_and_a_groups_own_settings():
     from types import SimpleNamespace
 
