@@ -24,6 +24,7 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 import torch
 
 from ..comm.collectives import Collectives
+from ..errors import DistributedError
 from ..mesh.replicas import counts_in_norm
 from .layout import Piece
 from .master import clip_factor
@@ -218,6 +219,15 @@ class MatrixExchange:
         return out
 
 
+def _check_same_deal(model_comm: Collectives, deal: List[Tuple[int, int]]) -> None:
+    """The model group's ranks must hold the same matrices, dealt alike over the data group (equal layouts): one
+    object all-gather at build time, so that a mismatch is one error here, not a hang in the step."""
+    every = model_comm.all_gather_object(deal, cause="a rank of the model group did not build Muon's exchange")
+    if any(d != deal for d in every):
+        raise DistributedError("Muon under tensor parallelism: the ranks of a model group hold different Muon matrices "
+                               "(their ZeRO layouts differ), so a full matrix cannot be assembled from their slices")
+
+
 def build_exchange(units: Sequence[FlatParamUnit], pieces: Sequence[Sequence[Piece]],
                    tensors: Sequence[Sequence[torch.Tensor]], group_pos: Callable[[torch.nn.Parameter], Optional[int]],
                    comm: Collectives) -> MatrixExchange:
@@ -251,7 +261,9 @@ def build_exchange(units: Sequence[FlatParamUnit], pieces: Sequence[Sequence[Pie
         slices = [getattr(units[ui].params[pi], "tp_slice", None) for ui, pi in keys]
         numels = [m.numel * (sl.size if sl is not None else 1) for m, sl in zip(matrices, slices)]
         owners = deal_over_model([m.owner for m in matrices], numels, topo.model_size)
-        tp = SliceExchange([TPMatrix(o, sl) for o, sl in zip(owners, slices)], Collectives.over(topo.model_group, comm.log),
-                           topo.model_rank, topo.model_size)
+        model_comm = Collectives.over(topo.model_group, comm.log)
+        _check_same_deal(model_comm, [(m.owner, m.numel) for m in matrices])
+        tp = SliceExchange([TPMatrix(o, sl) for o, sl in zip(owners, slices)], model_comm, topo.model_rank,
+                           topo.model_size)
     return MatrixExchange(matrices, local, comm if world > 1 else None, rank, world, device, norm=comm, tp=tp,
                           uncounted=frozenset(uncounted))
