@@ -19,7 +19,7 @@ LayerNorm and biases go to AdamW.
 - a checkpoint save and load continues identically; offload_optimizer is refused by name;
 - ``engine.get_global_grad_norm()`` at stages 1-3 is DeepSpeed's: the norm over the orthogonalised updates and
   the AdamW gradients (against DeepSpeed and against the same norm taken from the reference's torch step);
-- tensor parallelism (TP 2, the GPT of ``shardspeed.models`` at stages 0-3): each full matrix (a slice per
+- tensor parallelism (TP 2, the GPT of ``shardspeed.models`` at stages 0, 1 and 3): each full matrix (a slice per
   rank; ``wpe`` left whole by the plan) orthogonalised once, the losses and norms the reference's, and the
   bytes of the model-group exchange at torch.distributed equal to the count from the slices.
 """
@@ -45,6 +45,8 @@ TOL = 1e-5
 BF16_TOL = 1e-2
 #: stages run with DeepSpeed's default clipping (1.0) too: its ZeRO 1-2 and 3 paths clip the orthogonalised updates
 CLIPPED = (1, 3)
+#: TP 2 at world 2 (one data rank: stage 2's exchange is stage 1's)
+TP_STAGES = (0, 1, 3)
 
 
 def _config(stage: int, ns_method: str = "gram", **extra) -> dict:
@@ -119,7 +121,7 @@ def _ours_job(tmp: str) -> dict:
     engine, *_ = shardspeed.initialize(model=model, config=_config(0, "standard"), model_parameters=model.parameters())
     out["standard"] = _train(engine, batches)
     out["resume"] = _resume_job(tmp, batches)
-    for stage in (0, 1, 2, 3):
+    for stage in TP_STAGES:
         out[f"tp{stage}"] = _tp_job(stage)
     out["client"] = _client_job(batches)
     model = make_model("tied")
@@ -308,6 +310,14 @@ def test_matrices_dealt_to_the_rank_holding_most_ties_to_the_least_loaded():
     assert [m.owner for m in dealt] == [0, 1, 1, 0]  # m1 ties 8/8: rank 1 has less; m3 ties: rank 0 has less
 
 
+def test_full_matrices_dealt_over_the_model_group_by_size_per_data_owner():
+    from shardspeed.zero.muon_tp import deal_over_model
+
+    # data owners 0, 0, 0, 1 with full sizes 8, 6, 4, 5 at TP 2: at data rank 0, 8 -> model rank 0, 6 -> 1,
+    # 4 -> 1 (6 < 8); at data rank 1 the loads start afresh: 5 -> 0
+    assert deal_over_model([0, 0, 0, 1], [8, 6, 4, 5], 2) == [0, 1, 1, 0]
+
+
 def test_stage0_exchanges_nothing(ours):
     assert ours["sent0"] == 0 and not ours["all_to_all0"]
 
@@ -328,7 +338,7 @@ def test_global_grad_norm_is_deepspeeds_norm_over_the_updates(ours, reference_ru
     assert min(abs(a - b) for a, b in zip(ours["norms0"], ref)) > 0.1
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", TP_STAGES)
 def test_tensor_parallel_equals_the_reference(ours, reference_runs, stage):
     run, ref = ours[f"tp{stage}"], reference_runs["gpt"]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it trains
@@ -337,7 +347,7 @@ def test_tensor_parallel_equals_the_reference(ours, reference_runs, stage):
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", TP_STAGES)
 def test_tensor_parallel_matrices_orthogonalised_once_and_bytes_as_counted(ours, stage):
     from tp_models import make_tp_model
 

@@ -96,7 +96,7 @@ class SliceExchange:
                 sl = e.slice
                 local = [gathered[mi][r].reshape(sl.local_shape) for r in range(self.size)]
                 shape = torch.Size(sl.full_shape)
-                full = fn(mi, shape, assemble(local, sl).to(like.device)).reshape(shape)
+                full = fn(mi, shape, assemble(local, sl, like.device)).reshape(shape)
                 parts = [take(full, TPSlice(sl.full_shape, sl.dim, sl.blocks, r, sl.size)).reshape(-1)
                          for r in range(self.size)]
             done[mi] = parts[self.rank]
