@@ -1,6 +1,6 @@
 """Issue 40: Muon against AdamW at ZeRO 1-3: step time (paired), bytes per step against theory, Newton-Schulz time.
 
-    python benchmarks/bench_muon.py [--preset small] [--stages 1,2,3] [--steps 6] [--pairs 3]
+    python benchmarks/bench_muon.py [--preset small] [--stages 1,2,3] [--steps 6] [--pairs 3] [--tp 1]
 
 World 2, gloo, fp32, the GPT of ``shardspeed.models`` (``small``: 4 x 256, 3.3M parameters; DeepSpeed's routing
 puts the block matrices and the position table ``wpe`` on Muon, ``wte``/``lm_head``, norms and biases on AdamW).
@@ -8,9 +8,12 @@ Each pair builds an AdamW engine and a Muon engine in turn (the same model, data
 then times ``--steps`` steps; the median over the steps of all pairs is reported per optimizer, with their ratio.
 
 Bytes per step per rank: every collective's message bytes (the comms logger's totals after warm-up, divided by
-the steps). Muon's theory: AdamW's bytes plus ``4 x sent_elements(rank)`` (the exchange's count from the layout:
-the pieces of the matrices this rank does not own that it sends to their owners, and the pieces of its own
-matrices' results it sends back). ``ns ms`` is the Newton-Schulz time per step on the rank (each matrix once in
+the steps). Muon's theory: AdamW's bytes plus ``4 x (sent_elements(rank) + tp_sent_elements())`` (the exchange's
+count from the layout: the pieces of the matrices this rank does not own that it sends to their owners, and the
+pieces of its own matrices' results it sends back; with ``--tp 2``, the slices each rank sends to the model rank
+that orthogonalises the full matrix and the slices of the results sent back), plus the 4-byte all-reduce of the
+update norm (DeepSpeed's gradient norm over the orthogonalised updates; 4 more under TP, over the model group),
+below the table's precision. ``ns ms`` is the Newton-Schulz time per step on the rank (each matrix once in
 the job). JSON: benchmarks/results/muon.json.
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-3}},
               "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3}}}
 
 
-def _engine(preset: str, stage: int, opt: str):
+def _engine(preset: str, stage: int, opt: str, tp: int):
     import shardspeed
     from shardspeed.models.gpt import GPT, GPTConfig
 
@@ -43,6 +46,8 @@ def _engine(preset: str, stage: int, opt: str):
     model = GPT(GPTConfig.preset(preset))
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
            "optimizer": OPTIMIZERS[opt]}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, *_ = shardspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     return engine
 
@@ -70,22 +75,22 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
 
     init_distributed(backend="gloo")
     seq = GPTConfig.preset(args.preset).block_size
-    g = torch.Generator().manual_seed(1 + rank)
+    g = torch.Generator().manual_seed(1 + rank // args.tp)  # a model group's ranks take the same batch
     batches = [torch.randint(0, 256, (4, seq), generator=g) for _ in range(args.steps + 2)]
     rows: Dict[str, Dict[str, Any]] = {}
     for stage in args.stages:
         times: Dict[str, List[float]] = {"adamw": [], "muon": []}
         for _ in range(args.pairs):
             for opt in ("adamw", "muon"):
-                engine = _engine(args.preset, stage, opt)
+                engine = _engine(args.preset, stage, opt, args.tp)
                 times[opt] += _run(engine, batches, args.steps)
                 msg = sum(s["msg_bytes"] for s in engine.comms_logger.summary().values()) / args.steps
                 rows[f"{opt}{stage}"] = {"bytes_per_step": msg, "step_s": statistics.median(times[opt])}
                 if opt == "muon":
                     ex = engine.optimizer.router
-                    rows[f"muon{stage}"].update(sent_elements=ex.sent_elements(ex.rank), ns_ms=1e3 * ex.ns_seconds
-                                                / max(ex.steps, 1), matrices=len(ex.matrices),
-                                                owned=sum(m.owner == ex.rank for m in ex.matrices),
+                    rows[f"muon{stage}"].update(sent_elements=ex.sent_elements(ex.rank) + ex.tp_sent_elements(),
+                                                ns_ms=1e3 * ex.ns_seconds / max(ex.steps, 1),
+                                                matrices=len(ex.matrices), owned=ex.orthogonalised_here(),
                                                 muon_elements=sum(m.numel for m in ex.matrices))
                 engine.destroy() if hasattr(engine, "destroy") else None
     out.put((rank, rows))
@@ -111,6 +116,7 @@ def main() -> None:
     ap.add_argument("--stages", default="1,2,3", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (1 or 2; world 2)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,8 +131,10 @@ def main() -> None:
         p.join()
     print(_table(per_rank, args.stages))
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "muon.json"), "w") as f:
-        json.dump({"preset": args.preset, "steps": args.steps, "pairs": args.pairs, "ranks": per_rank}, f, indent=1)
+    name = "muon.json" if args.tp == 1 else f"muon_tp{args.tp}.json"
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
+        json.dump({"preset": args.preset, "steps": args.steps, "pairs": args.pairs, "tp": args.tp, "ranks": per_rank},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ LayerNorm and biases go to AdamW.
   and the bytes the exchange moves equal the count from the layout;
 - gradient accumulation (stage 3, 2 micro-steps) equals the reference; the estimator prices Muon's state as
   the engine holds it;
-- a checkpoint save and load continues identically; offload_optimizer is refused by name.
+- a checkpoint save and load continues identically; offload_optimizer is refused by name;
+- ``engine.get_global_grad_norm()`` at stages 1-3 is DeepSpeed's: the norm over the orthogonalised updates and
+  the AdamW gradients (against DeepSpeed and against the same norm taken from the reference's torch step);
+- tensor parallelism (TP 2, the GPT of ``shardspeed.models`` at stages 0, 1 and 3): each full matrix (a slice per
+  rank; ``wpe`` left whole by the plan) orthogonalised once, the losses and norms the reference's, and the
+  bytes of the model-group exchange at torch.distributed equal to the count from the slices.
 """
 from __future__ import annotations
 
@@ -27,11 +32,12 @@ from typing import Dict, List
 import pytest
 import torch
 from distributed import run_distributed
-from models import make_batches, make_model, micro_batch
+from models import make_batches, make_model
+from muon_reference import gpt_batches, muon_config, reference as reference_run, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-STEPS, LR, ADAM_LR = 10, 0.02, 0.01
+STEPS = 10
 #: fp32 against fp32, absolute, on losses of 9-11: the sides reduce and sum in other orders (measured: the torch
 #: reference 1.9e-6, DeepSpeed 9.5e-7)
 TOL = 1e-5
@@ -39,31 +45,41 @@ TOL = 1e-5
 BF16_TOL = 1e-2
 #: stages run with DeepSpeed's default clipping (1.0) too: its ZeRO 1-2 and 3 paths clip the orthogonalised updates
 CLIPPED = (1, 3)
+#: TP 2 at world 2 (one data rank: stage 2's exchange is stage 1's)
+TP_STAGES = (0, 1, 3)
 
 
 def _config(stage: int, ns_method: str = "gram", **extra) -> dict:
-    zero: Dict = {"stage": stage}
-    if stage == 3:
-        zero["reduce_scatter"] = False  # DeepSpeed refuses Muon at stage 3 with reduce_scatter on
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "zero_optimization": zero,
-            "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "ns_method": ns_method}}, **extra}
+    return muon_config(stage, 2, ns_method, **extra)
 
 
 def _train(engine, batches, gas: int = 1) -> List[float]:
-    import torch.distributed as dist
+    return train(engine, batches, gas)["losses"]
 
-    out = []
-    for b in batches:
-        total = torch.zeros(())
-        for k in range(gas):
-            x, y = micro_batch(b, dist.get_rank(), dist.get_world_size(), k, gas)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        out.append(float(total) / (dist.get_world_size() * gas))
+
+def _tp_config(stage: int) -> dict:
+    return dict(muon_config(stage, 8), tensor_parallel={"autotp_size": 2})
+
+
+def _tp_job(stage: int) -> dict:
+    """The GPT at TP 2 (world 2: one data rank): losses, norms, the Newton-Schulz count summed over the ranks,
+    the elements this rank sends over the model group per step and the all_to_all bytes it logged."""
+    import torch.distributed as dist
+    from tp_models import make_tp_model
+
+    import shardspeed
+
+    model = make_tp_model("gpt")
+    engine, *_ = shardspeed.initialize(model=model, config=_tp_config(stage), model_parameters=model.parameters())
+    out = train(engine, gpt_batches(STEPS, 8), data=(0, 1))
+    ex = engine.optimizer.router
+    ns = torch.tensor([float(ex.orthogonalised_here())])
+    dist.all_reduce(ns)
+    sent = ex.tp_sent_elements() + ex.sent_elements(ex.rank)
+    total = torch.tensor([float(sent)])
+    dist.all_reduce(total)
+    out.update(owned=int(ns), matrices=len(ex.matrices), sent=sent, sent_total=int(total),
+               logged=engine.comms_logger.summary().get("all_to_all", {}).get("msg_bytes", 0))
     return out
 
 
@@ -78,7 +94,8 @@ def _ours_job(tmp: str) -> dict:
     for stage in (0, 1, 2, 3):
         model = make_model("tied")
         engine, *_ = shardspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())
-        out[stage] = _train(engine, batches)
+        run = train(engine, batches)
+        out[stage], out[f"norms{stage}"] = run["losses"], run["norms"]
         ex = engine.optimizer.router
         ns = torch.tensor([float(sum(1 for m in ex.matrices if m.owner == ex.rank))])
         dist.all_reduce(ns)
@@ -104,6 +121,8 @@ def _ours_job(tmp: str) -> dict:
     engine, *_ = shardspeed.initialize(model=model, config=_config(0, "standard"), model_parameters=model.parameters())
     out["standard"] = _train(engine, batches)
     out["resume"] = _resume_job(tmp, batches)
+    for stage in TP_STAGES:
+        out[f"tp{stage}"] = _tp_job(stage)
     out["client"] = _client_job(batches)
     model = make_model("tied")
     try:
@@ -154,7 +173,8 @@ def _deepspeed_job() -> dict:
     for stage in (1, 2, 3):
         model = make_model("tied")
         engine, *_ = deepspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())
-        out[stage] = _train(engine, batches)
+        run = train(engine, batches)
+        out[stage], out[f"norms{stage}"] = run["losses"], run["norms"]
     for stage in CLIPPED:
         model = make_model("tied")
         engine, *_ = deepspeed.initialize(model=model, config=dict(_config(stage), gradient_clipping=1.0),
@@ -163,45 +183,19 @@ def _deepspeed_job() -> dict:
     return out
 
 
-def _fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's iteration (its ops, its order) in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+@pytest.fixture(scope="module")
+def reference_runs() -> Dict[str, Dict[str, List[float]]]:
+    from tp_models import make_tp_model
 
-
-def _reference(monkeypatch, fp32: bool) -> List[float]:
-    if fp32:
-        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", _fp32_newton_schulz)
-    model = make_model("tied")
-    routed = {n: p.dim() >= 2 and "embed" not in n and "lm_head" not in n for n, p in model.named_parameters()}
-    hidden = [p for n, p in model.named_parameters() if routed[n]]
-    rest = [p for n, p in model.named_parameters() if not routed[n]]
-    muon = torch.optim.Muon(hidden, lr=LR, weight_decay=0.0, momentum=0.95, adjust_lr_fn="original")
-    adam = torch.optim.AdamW(rest, lr=ADAM_LR, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
-    losses = []
-    for x, y in make_batches("tied", STEPS, 4):
-        loss = model(x, y)
-        losses.append(float(loss.detach()))
-        loss.backward()
-        muon.step()
-        adam.step()
-        muon.zero_grad()
-        adam.zero_grad()
-    return losses
+    batches = make_batches("tied", STEPS, 4)
+    return {"bf16": reference_run(make_model("tied"), batches, fp32=False),
+            "fp32": reference_run(make_model("tied"), batches, fp32=True),
+            "gpt": reference_run(make_tp_model("gpt"), gpt_batches(STEPS, 8), fp32=True)}
 
 
 @pytest.fixture(scope="module")
-def reference() -> Dict[str, List[float]]:
-    with pytest.MonkeyPatch.context() as mp:
-        bf16 = _reference(mp, fp32=False)
-        return {"bf16": bf16, "fp32": _reference(mp, fp32=True)}
+def reference(reference_runs) -> Dict[str, List[float]]:
+    return {k: v["losses"] for k, v in reference_runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +251,31 @@ def test_estimator_prices_muon_state_as_the_engine_holds_it(ours, stage):
     assert 2 * est == ours[f"state_bytes{stage}"] and adamw - est == 4 * muon / 2
 
 
+def test_estimate_cli_prices_muon_by_the_formula(tmp_path, capsys):
+    """``shardspeed estimate`` with a Muon config: optimizer state 4 bytes per Muon element (its momentum) and 8
+    per AdamW element (two moments), divided over the data ranks at stages 1-3; no optimizer-offload rows
+    (refused with Muon)."""
+    import json
+
+    from shardspeed.cli import main
+    from shardspeed.models.gpt import GPT, GPTConfig
+    from shardspeed.optim.muon import use_muon
+
+    cfg = tmp_path / "muon.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon"}}))
+    assert main(["estimate", "--preset", "tiny", "--config", str(cfg), "--world", "2", "--no-trace", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        named = dict(GPT(GPTConfig.preset("tiny")).named_parameters())
+    n = sum(p.numel() for p in named.values())
+    muon = sum(p.numel() for name, p in named.items() if use_muon(name, p))
+    assert got["num_params"] == n and 0 < muon < n
+    rows = {r["stage"]: r for r in got["rows"]}
+    assert sorted(rows) == [0, 1, 2, 3] and all(r["offload_optimizer"] == "none" for r in got["rows"])
+    for stage, r in rows.items():
+        assert r["model_states"]["optimizer"] == (4 * muon + 8 * (n - muon)) / (2 if stage else 1)
+
+
 def test_keys_defaults_and_a_groups_own_settings():
     from types import SimpleNamespace
 
@@ -291,6 +310,14 @@ def test_matrices_dealt_to_the_rank_holding_most_ties_to_the_least_loaded():
     assert [m.owner for m in dealt] == [0, 1, 1, 0]  # m1 ties 8/8: rank 1 has less; m3 ties: rank 0 has less
 
 
+def test_full_matrices_dealt_over_the_model_group_by_size_per_data_owner():
+    from shardspeed.zero.muon_tp import deal_over_model
+
+    # data owners 0, 0, 0, 1 with full sizes 8, 6, 4, 5 at TP 2: at data rank 0, 8 -> model rank 0, 6 -> 1,
+    # 4 -> 1 (6 < 8); at data rank 1 the loads start afresh: 5 -> 0
+    assert deal_over_model([0, 0, 0, 1], [8, 6, 4, 5], 2) == [0, 1, 1, 0]
+
+
 def test_stage0_exchanges_nothing(ours):
     assert ours["sent0"] == 0 and not ours["all_to_all0"]
 
@@ -303,6 +330,36 @@ def test_a_users_own_muon_optimizer_trains_as_the_configs(ours):
     assert ours["client"] == ours[2]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_global_grad_norm_is_deepspeeds_norm_over_the_updates(ours, reference_runs, stage):
+    ref = reference_runs["fp32"]["norms"]
+    torch.testing.assert_close(torch.tensor(ours[f"norms{stage}"]), torch.tensor(ref), rtol=1e-5, atol=0)
+    # stage 0 reports the raw gradients' norm (DeepSpeed clips those there): another number
+    assert min(abs(a - b) for a, b in zip(ours["norms0"], ref)) > 0.1
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tensor_parallel_equals_the_reference(ours, reference_runs, stage):
+    run, ref = ours[f"tp{stage}"], reference_runs["gpt"]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it trains
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=TOL)
+    if stage:
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tensor_parallel_matrices_orthogonalised_once_and_bytes_as_counted(ours, stage):
+    from tp_models import make_tp_model
+
+    run = ours[f"tp{stage}"]
+    params = dict(make_tp_model("gpt").named_parameters())
+    sliced = sum(p.numel() for n, p in params.items() if p.dim() == 2 and n != "wpe.weight")
+    assert run["owned"] == run["matrices"] == 10  # wte, wpe, 2 x (c_attn, attn c_proj, c_fc, mlp c_proj)
+    # each full matrix of n elements: half of it to the owner and half back (n); wpe whole from its owner (512)
+    assert run["sent_total"] == sliced + params["wpe.weight"].numel()
+    assert run["logged"] == 4 * STEPS * run["sent"]
+
+
 def test_offload_optimizer_is_refused_by_name(ours):
     assert "optimizer.type 'Muon' with zero_optimization.offload_optimizer is not implemented" in ours["refused"]
 
@@ -312,6 +369,9 @@ def test_muon_equals_deepspeed_at_stages_1_to_3(ours):
     ds = run_distributed(_deepspeed_job, 2, timeout=300)[0]
     for stage in (1, 2, 3):
         torch.testing.assert_close(torch.tensor(ours[stage]), torch.tensor(ds[stage]), rtol=0, atol=TOL)
+        # get_global_grad_norm: DeepSpeed's norm over the orthogonalised updates and the AdamW gradients
+        torch.testing.assert_close(torch.tensor(ours[f"norms{stage}"]), torch.tensor(ds[f"norms{stage}"]), rtol=1e-5,
+                                   atol=0)
     for stage in CLIPPED:  # the norm over the orthogonalised updates clips every step here
         torch.testing.assert_close(torch.tensor(ours[f"clip{stage}"]), torch.tensor(ds[f"clip{stage}"]), rtol=0,
                                    atol=TOL)

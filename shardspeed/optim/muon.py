@@ -115,18 +115,19 @@ class MatrixRouter(Protocol):
     def orthogonalize(self, updates: Dict[int, torch.Tensor],
                       fn: Callable[[int, torch.Size, torch.Tensor], torch.Tensor]) -> Dict[int, torch.Tensor]: ...
 
-    def clip_coefficient(self, local_sq: torch.Tensor, clip: float) -> float: ...
+    def update_norm(self, tensors: Mapping[int, torch.Tensor]) -> float: ...
+
+    def clip_coefficient(self, norm: float, clip: float) -> float: ...
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon over the groups with ``use_muon`` true, AdamW (or Adam with L2, ``adam_w_mode=False``) over the
-    others. State: ``momentum_buffer`` per Muon tensor; ``exp_avg``, ``exp_avg_sq``, ``step`` per Adam tensor."""
+    others. State: ``momentum_buffer`` per Muon tensor; ``exp_avg``, ``exp_avg_sq``, ``step`` per Adam tensor.
 
-    #: the engine steps every piece in one call (the router exchanges all matrices at once)
-    steps_whole = True
-    #: at ZeRO 1-3 the engine leaves clipping to the step (``update_clip``): DeepSpeed takes the global norm
-    #: over the orthogonalised Muon updates and the AdamW gradients, and scales both
-    clips_updates = True
+    Bound to a router (ZeRO 1-3), the engine steps every piece in one call (the router exchanges all matrices
+    at once) and leaves clipping to the step (:meth:`clip_updates_to`): DeepSpeed takes the global norm over
+    the orthogonalised Muon updates and the AdamW gradients, reports it as the gradient norm, and clips both
+    by it."""
 
     def __init__(self, params: Iterable[Dict[str, Any]], adam_w_mode: bool = True):
         groups = [dict(g) for g in params]
@@ -138,11 +139,18 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.adam_w_mode = adam_w_mode
         self.router: Optional[MatrixRouter] = None
-        self.update_clip = 0.0  # set by the engine before each ZeRO 1-3 step
+        self._update_clip: Optional[float] = None
+        #: the global norm over the last step's updates (after :meth:`clip_updates_to`), before clipping
+        self.update_norm = 0.0
 
     def bind(self, router: MatrixRouter) -> None:
         """Orthogonalise through ``router`` (the engine's: its pieces are parts of matrices)."""
         self.router = router
+
+    def clip_updates_to(self, clip: float) -> None:
+        """For the next step: take the global norm over the updates (:attr:`update_norm`) and, when ``clip``
+        > 0, scale them by DeepSpeed's clip factor of it. Needs a bound router."""
+        self._update_clip = clip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -151,8 +159,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stepped, done = self._muon_updates()
-        if self.update_clip > 0 and self.router is not None:
-            self._clip_updates(done)
+        clip, self._update_clip = self._update_clip, None
+        if clip is not None and self.router is not None:
+            self._clip_updates(done, clip, self.router)
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group(group)
@@ -161,17 +170,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             p.add_(done[id(p)].reshape(p.shape), alpha=-group["lr"])
         return loss
 
-    def _clip_updates(self, done: Dict[int, torch.Tensor]) -> None:
-        """Scale the Muon updates and the AdamW gradients by DeepSpeed's clip factor of their joint norm."""
-        assert self.router is not None
-        adam = [p.grad for g in self.param_groups if not g["use_muon"] for p in g["params"] if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=next(iter(done.values())).device if done else "cpu")
-        for t in list(done.values()) + adam:
-            sq += t.float().pow(2).sum().to(sq.device)
-        coef = self.router.clip_coefficient(sq, self.update_clip)
-        self.update_clip = 0.0
+    def _clip_updates(self, done: Dict[int, torch.Tensor], clip: float, router: MatrixRouter) -> None:
+        """The norm over the Muon updates and the AdamW gradients; both scaled by its clip factor."""
+        tensors = dict(done)
+        tensors.update((id(p), p.grad) for g in self.param_groups if not g["use_muon"] for p in g["params"]
+                       if p.grad is not None)
+        self.update_norm = router.update_norm(tensors)
+        if clip <= 0:
+            return
+        coef = router.clip_coefficient(self.update_norm, clip)
         if coef < 1.0:
-            for t in list(done.values()) + adam:
+            for t in tensors.values():
                 t.mul_(coef)
 
     def _adam_group(self, group: Dict[str, Any]) -> None:

@@ -183,8 +183,7 @@ def build_engine(
     model.to(device=topo.device)
     autocast = prepare_precision(model, plan.precision, topo.device)
     tp_state, ties, groups = _model_parallel(plan, model, topo, comms_logger, pipe_plan, groups)
-    groups = muon_groups(plan.optimizer.optimizer, model, groups, offload=plan.placement.optimizer != "device",
-                         tp=topo.model_size, experts=has_moe_layers(model)[0])
+    groups = muon_groups(plan.optimizer.optimizer, model, groups, experts=has_moe_layers(model)[0])
     broadcast_module_state(model, collectives, experts)
     comms_logger.reset()
 

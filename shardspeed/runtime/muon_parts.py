@@ -20,18 +20,11 @@ def _is_muon(optimizer_cfg: Any) -> bool:
     return optimizer_cfg is not None and str(getattr(optimizer_cfg, "type", "")).lower() == "muon"
 
 
-def muon_groups(optimizer_cfg: Any, model: nn.Module, groups: List[dict], *, offload: bool, tp: int,
-                experts: bool) -> List[dict]:
-    """``groups`` split into Muon and Adam halves when the config's optimizer is Muon (else as they are); a
-    mode shardspeed does not run Muon in is refused by name."""
+def muon_groups(optimizer_cfg: Any, model: nn.Module, groups: List[dict], *, experts: bool) -> List[dict]:
+    """``groups`` split into Muon and Adam halves when the config's optimizer is Muon (else as they are); MoE
+    experts are refused by name (optimizer offload is refused by the plan)."""
     if not _is_muon(optimizer_cfg):
         return groups
-    if offload:
-        raise ConfigError("optimizer.type 'Muon' with zero_optimization.offload_optimizer is not implemented in "
-                          "shardspeed: keep the optimizer on the device (remove offload_optimizer)")
-    if tp > 1:
-        raise ConfigError("optimizer.type 'Muon' with tensor parallelism (tensor_parallel.autotp_size > 1) is not "
-                          "implemented in shardspeed: each rank holds a slice of a matrix Muon needs whole")
     if experts:
         raise ConfigError("optimizer.type 'Muon' with MoE experts is not implemented in shardspeed: use AdamW")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -50,3 +43,4 @@ def bind_muon(master: MasterWeights, collectives: Collectives, group_of: Dict[in
         return pos if pos is not None and opt.param_groups[pos]["use_muon"] else None
 
     opt.bind(build_exchange(master.units, master.trainable_pieces, master.piece_tensors, group_pos, collectives))
+    master.step_over_updates(opt)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -70,6 +70,15 @@ def _full(unit: FlatParamUnit) -> torch.Tensor:
     """The full buffer of a stage 1-2 unit (always held there)."""
     assert unit.full is not None, f"unit {unit.index} has no full buffer"
     return unit.full
+
+
+class UpdateClipping(Protocol):
+    """An optimizer stepped once over every unit that takes the gradient norm over its own updates and clips
+    them (Muon at ZeRO 1-3, as DeepSpeed does it: :class:`~shardspeed.optim.muon.MuonWithAuxAdam`)."""
+
+    update_norm: float
+
+    def clip_updates_to(self, clip: float) -> None: ...
 
 
 @dataclass
@@ -141,6 +150,14 @@ class MasterWeights:
             groups[gi] = [torch.zeros(0, dtype=master_dtype, device=self.units[0].device)]
         self.group_indices = sorted(groups)
         self.optimizer = make_optimizer([{"params": groups[i], "_group": i} for i in self.group_indices])
+        #: set by the builder (:meth:`step_over_updates`): the optimizer steps every unit in one call and, when
+        #: sharded, clips its own updates
+        self.update_clipping: Optional[UpdateClipping] = None
+
+    def step_over_updates(self, optimizer: UpdateClipping) -> None:
+        """The builder's decision: ``optimizer`` (this object's own) exchanges across units in its step, so it
+        is stepped once over all of them; at ZeRO 1-3 the gradient norm and clipping are over its updates."""
+        self.update_clipping = optimizer
 
     # ---- what a checkpoint needs (typed; see shardspeed.checkpoint.engine_view) -------------------
     @property
@@ -213,13 +230,13 @@ class MasterWeights:
     def step(self, loss_scale: float, clip: float) -> StepResult:
         grads = self._fp32_grads()
         # DeepSpeed's ZeRO 1-3 Muon clips the orthogonalised updates, not the gradients (optim.muon does it)
-        over_updates = self.sharded and getattr(self.optimizer, "clips_updates", False)
-        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0 if over_updates else clip)
+        over_updates = self.update_clipping if self.sharded else None
+        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0 if over_updates is not None else clip)
         if coef is None:
             return StepResult(True, norm)
-        if over_updates:
-            self.optimizer.update_clip = clip  # type: ignore[attr-defined]
-        if self.gather_after_step and len(self.units) > 1 and not getattr(self.optimizer, "steps_whole", False):
+        if over_updates is not None:
+            over_updates.clip_updates_to(clip)
+        if self.gather_after_step and len(self.units) > 1 and self.update_clipping is None:
             # unit by unit: the all-gather of one unit runs while the optimizer steps the next (the
             # optimizer skips pieces without .grad, so each call updates exactly one unit's pieces); not for an
             # optimizer that exchanges across units in its step (Muon's whole matrices)
@@ -240,7 +257,7 @@ class MasterWeights:
             for ui in range(len(self.units)):
                 self._detach_grads(ui)
             self.sync_params_from_masters()
-        return StepResult(False, norm)
+        return StepResult(False, over_updates.update_norm if over_updates is not None else norm)
 
     def _comm_of(self, ui: int) -> Collectives:
         """The collectives unit ``ui`` is sharded over (an expert unit's expert-data group, else the data group)."""

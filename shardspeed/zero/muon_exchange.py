@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..comm.collectives import Collectives
+from ..errors import DistributedError
+from ..mesh.replicas import counts_in_norm
 from .layout import Piece
 from .master import clip_factor
+from .muon_tp import SliceExchange, TPMatrix, deal_over_model
 from .unit import FlatParamUnit
 
 __all__ = ["Matrix", "MatrixExchange", "deal_matrices"]
@@ -77,17 +80,35 @@ class MatrixExchange:
     matrix, and the two exchanges that bring each whole matrix to its owner and its pieces back."""
 
     def __init__(self, matrices: Sequence[Matrix], local: Dict[int, Tuple[int, int, int]],
-                 comm: Optional[Collectives], rank: int, world: int, device: torch.device):
+                 comm: Optional[Collectives], rank: int, world: int, device: torch.device, *,
+                 norm: Optional[Collectives] = None, tp: Optional[SliceExchange] = None,
+                 uncounted: FrozenSet[int] = frozenset()):
         """``local``: ``{id(piece tensor): (matrix index, start, end)}``; ``comm`` None at stage 0 (every rank
-        holds every matrix whole)."""
+        holds every matrix whole); ``norm``: the data group's collectives the update norm is summed over (then
+        over pipe x model); ``tp``: the model-group half under tensor parallelism; ``uncounted``: the ids of the
+        optimizer's tensors another model-parallel rank counts in the norm (replicas)."""
         self.matrices = list(matrices)
         self.local = dict(local)
         self.comm = comm if comm is not None and world > 1 else None
+        self.norm_comm = norm
+        self.tp = tp
+        self.uncounted = uncounted
         self.rank, self.world = rank, world
         self.empty = torch.empty(0, dtype=torch.float32, device=device)
         self.ns_seconds = 0.0  # Newton-Schulz time on this rank, summed over steps
         self.steps = 0
         self.moved_elements = sum(b - a for m in self.matrices for r, a, b in m.spans if r != m.owner)
+
+    def orthogonalised_here(self) -> int:
+        """The matrices this rank runs Newton-Schulz on each step."""
+        return sum(1 for mi, m in enumerate(self.matrices)
+                   if m.owner == self.rank and (self.tp is None or self.tp.runs_here(mi)))
+
+    def tp_sent_elements(self) -> int:
+        """fp32 elements this rank sends per step over the model group (0 without tensor parallelism)."""
+        if self.tp is None:
+            return 0
+        return self.tp.sent_elements({mi: m.numel for mi, m in enumerate(self.matrices) if m.owner == self.rank})
 
     def sent_elements(self, rank: int) -> int:
         """fp32 elements ``rank`` sends per step (both exchanges)."""
@@ -98,13 +119,22 @@ class MatrixExchange:
                     out += b - a
         return out
 
-    def clip_coefficient(self, local_sq: torch.Tensor, clip: float) -> float:
-        """DeepSpeed's ZeRO 1-3 clip factor over the updates: ``local_sq`` (this rank's sum of squares of its
-        pieces of the orthogonalised updates and of the AdamW gradients) summed over the data group."""
-        local_sq = local_sq.to(self.empty.device)
-        if self.comm is not None:
-            self.comm.all_reduce(local_sq)
-        return clip_factor(float(local_sq.sqrt()), clip, sharded=True)
+    def update_norm(self, tensors: Mapping[int, torch.Tensor]) -> float:
+        """The global L2 norm of the orthogonalised updates and AdamW gradients, ``tensors`` this rank's
+        (``{id(optimizer tensor): tensor}``): summed over the data group, then over pipe x model, each replica
+        counted once. A sync point."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.empty.device)
+        for key, t in tensors.items():
+            if key not in self.uncounted:
+                sq += t.float().pow(2).sum().to(sq.device)
+        if self.norm_comm is not None:
+            self.norm_comm.all_reduce(sq)
+            self.norm_comm.all_reduce_model_parallel(sq)
+        return float(sq.sqrt())
+
+    def clip_coefficient(self, norm: float, clip: float) -> float:
+        """DeepSpeed's ZeRO 1-3 clip factor for updates of global norm ``norm``."""
+        return clip_factor(norm, clip, sharded=True)
 
     def _piece_of(self) -> Dict[int, int]:
         return {mi: pid for pid, (mi, _, _) in self.local.items()}
@@ -113,9 +143,19 @@ class MatrixExchange:
                       fn: Callable[[int, torch.Size, torch.Tensor], torch.Tensor]) -> Dict[int, torch.Tensor]:
         mine = self._piece_of()
         whole = self._gather(updates, mine)
-        t0 = time.perf_counter()
-        done = {mi: fn(self.matrices[mi].group, self.matrices[mi].shape, u).reshape(-1) for mi, u in whole.items()}
-        self.ns_seconds += time.perf_counter() - t0
+        seconds = [0.0]
+
+        def timed(mi: int, shape: torch.Size, u: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = fn(self.matrices[mi].group, shape, u)
+            seconds[0] += time.perf_counter() - t0
+            return out
+
+        if self.tp is not None:
+            done = self.tp.orthogonalize(whole, [m.shape for m in self.matrices], timed)
+        else:
+            done = {mi: timed(mi, self.matrices[mi].shape, u).reshape(-1) for mi, u in whole.items()}
+        self.ns_seconds += seconds[0]
         self.steps += 1
         return self._scatter(done, mine)
 
@@ -179,12 +219,22 @@ class MatrixExchange:
         return out
 
 
+def _check_same_deal(model_comm: Collectives, deal: List[Tuple[int, int]]) -> None:
+    """The model group's ranks must hold the same matrices, dealt alike over the data group (equal layouts): one
+    object all-gather at build time, so that a mismatch is one error here, not a hang in the step."""
+    every = model_comm.all_gather_object(deal, cause="a rank of the model group did not build Muon's exchange")
+    if any(d != deal for d in every):
+        raise DistributedError("Muon under tensor parallelism: the ranks of a model group hold different Muon matrices "
+                               "(their ZeRO layouts differ), so a full matrix cannot be assembled from their slices")
+
+
 def build_exchange(units: Sequence[FlatParamUnit], pieces: Sequence[Sequence[Piece]],
                    tensors: Sequence[Sequence[torch.Tensor]], group_pos: Callable[[torch.nn.Parameter], Optional[int]],
                    comm: Collectives) -> MatrixExchange:
     """The exchange over the Muon matrices of ``units`` (``group_pos(param)``: its Muon group's position in the
     optimizer, None for a parameter Adam steps); ``pieces`` / ``tensors``: this rank's trainable pieces of each
-    unit and the optimizer's tensors for them."""
+    unit and the optimizer's tensors for them; ``comm``: the data group's collectives (its topology names the
+    model group a tensor-parallel matrix is sliced over)."""
     candidates, keys = [], []
     for ui, u in enumerate(units):
         for pi, p in enumerate(u.params):
@@ -194,12 +244,26 @@ def build_exchange(units: Sequence[FlatParamUnit], pieces: Sequence[Sequence[Pie
                 keys.append((ui, pi))
     world = units[0].layout.world if units else 1
     index = {k: i for i, k in enumerate(keys)}
-    local = {}
+    topo = comm.topology
+    local, uncounted = {}, set()
     for ui, (unit_pieces, unit_tensors) in enumerate(zip(pieces, tensors)):
         for pc, t in zip(unit_pieces, unit_tensors):
+            if not counts_in_norm(units[ui].params[pc.param_index], topo.model_rank):
+                uncounted.add(id(t))
             mi = index.get((ui, pc.param_index))
             if mi is not None:
                 local[id(t)] = (mi, pc.param_start, pc.param_end)
     rank = units[0].rank if units and world > 1 else 0
     device = units[0].device if units else torch.device("cpu")
-    return MatrixExchange(deal_matrices(candidates, world), local, comm if world > 1 else None, rank, world, device)
+    matrices = deal_matrices(candidates, world)
+    tp = None
+    if topo.model_size > 1:
+        slices = [getattr(units[ui].params[pi], "tp_slice", None) for ui, pi in keys]
+        numels = [m.numel * (sl.size if sl is not None else 1) for m, sl in zip(matrices, slices)]
+        owners = deal_over_model([m.owner for m in matrices], numels, topo.model_size)
+        model_comm = Collectives.over(topo.model_group, comm.log)
+        _check_same_deal(model_comm, [(m.owner, m.numel) for m in matrices])
+        tp = SliceExchange([TPMatrix(o, sl) for o, sl in zip(owners, slices)], model_comm, topo.model_rank,
+                           topo.model_size)
+    return MatrixExchange(matrices, local, comm if world > 1 else None, rank, world, device, norm=comm, tp=tp,
+                          uncounted=frozenset(uncounted))

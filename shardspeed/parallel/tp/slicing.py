@@ -8,7 +8,7 @@ concatenated, so that it computes whole heads of q, k and v.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,9 +73,10 @@ def take(full: torch.Tensor, sl: TPSlice) -> torch.Tensor:
     return torch.cat(parts, dim=sl.dim).contiguous()
 
 
-def assemble(locals_: Sequence[torch.Tensor], sl: TPSlice) -> torch.Tensor:
-    """The full tensor from every rank's local slice (rank order); ``sl`` is any rank's slice description."""
-    full = torch.empty(sl.full_shape, dtype=locals_[0].dtype)
+def assemble(locals_: Sequence[torch.Tensor], sl: TPSlice, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The full tensor from every rank's local slice (rank order); ``sl`` is any rank's slice description;
+    ``device``: where the full tensor is made (default the CPU)."""
+    full = torch.empty(sl.full_shape, dtype=locals_[0].dtype, device=device)
     for r, local in enumerate(locals_):
         mine = TPSlice(sl.full_shape, sl.dim, sl.blocks, r, sl.size)
         pieces = local.split(sl.full_shape[sl.dim] // sl.blocks // sl.size, dim=sl.dim)
