@@ -53,7 +53,7 @@ def main() -> None:
     optim = next(e.cpu_time_total for e in events if e.key == "optimizer")
     mm = sum(e.self_cpu_time_total for e in events if e.key in MATMUL)
     rest = total - mm - optim
-    print(f"| model | step ms | matmul + attention | optimizer step | other (fusable) | ceiling 1/(1-other) |")
+    print("| model | step ms | matmul + attention | optimizer step | other (fusable) | ceiling 1/(1-other) |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.model} | {total / 1000 / args.steps:.0f} | {mm / total:.3f} | {optim / total:.3f} | "
           f"{rest / total:.3f} | {1 / (1 - rest / total):.3f}x |")
