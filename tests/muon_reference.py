@@ -114,3 +114,20 @@ def train(engine, batches: Sequence[Batch], gas: int = 1,
         norm = engine.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else float("nan"))
     return {"losses": losses, "norms": norms}
+
+
+def deepspeed_engine(config: dict):
+    """The real DeepSpeed's engine for the "tied" test model under ``config``, its Muon step eager (the same
+    math, no minutes of CPU compilation), the process group started once, DeepSpeed's log quiet."""
+    import logging
+
+    import deepspeed
+    import torch._dynamo
+    from models import make_model
+
+    torch._dynamo.config.disable = True
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = make_model("tied")
+    return deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())[0]

@@ -25,7 +25,6 @@ LayerNorm and biases go to AdamW.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List
 
@@ -33,7 +32,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from models import make_batches, make_model
-from muon_reference import gpt_batches, muon_config, reference as reference_run, train
+from muon_reference import deepspeed_engine, gpt_batches, muon_config, reference as reference_run, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -161,25 +160,13 @@ def _resume_job(tmp: str, batches) -> dict:
 
 
 def _deepspeed_job() -> dict:
-    import deepspeed
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True  # eager Muon step: the same math, no minutes of CPU compilation
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
-    deepspeed.utils.logger.setLevel(logging.WARNING)
     batches = make_batches("tied", STEPS, 4)
     out = {}
     for stage in (1, 2, 3):
-        model = make_model("tied")
-        engine, *_ = deepspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())
-        run = train(engine, batches)
+        run = train(deepspeed_engine(_config(stage)), batches)
         out[stage], out[f"norms{stage}"] = run["losses"], run["norms"]
     for stage in CLIPPED:
-        model = make_model("tied")
-        engine, *_ = deepspeed.initialize(model=model, config=dict(_config(stage), gradient_clipping=1.0),
-                                          model_parameters=model.parameters())
-        out[f"clip{stage}"] = _train(engine, batches)
+        out[f"clip{stage}"] = _train(deepspeed_engine(dict(_config(stage), gradient_clipping=1.0)), batches)
     return out
 
 

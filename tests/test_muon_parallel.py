@@ -13,7 +13,6 @@ One world-4 launch per system (ours, DeepSpeed's), 20 steps each, fp32, no clipp
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from models import make_batches, make_model
-from muon_reference import gpt_batches, muon_config, reference, train
+from muon_reference import deepspeed_engine, gpt_batches, muon_config, reference, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -70,21 +69,8 @@ def _ours_job() -> Dict[str, dict]:
 
 
 def _deepspeed_job() -> Dict[str, dict]:
-    import deepspeed
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True  # eager Muon step: the same math, no minutes of CPU compilation
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
-    deepspeed.utils.logger.setLevel(logging.WARNING)
     batches = make_batches("tied", STEPS, 8)
-    out = {}
-    for stage in STAGES:
-        model = make_model("tied")
-        engine, *_ = deepspeed.initialize(model=model, config=muon_config(stage, 2),
-                                          model_parameters=model.parameters())
-        out[f"dp{stage}"] = train(engine, batches)
-    return out
+    return {f"dp{stage}": train(deepspeed_engine(muon_config(stage, 2)), batches) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
