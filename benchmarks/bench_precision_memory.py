@@ -7,7 +7,8 @@ formula and the memory estimator.
 
 Modes (AdamW lr 1e-4, clipping 1.0, ZeRO ``--stages``, gloo on CPU, the same config given to both libraries):
 ``fp32``; ``bf16`` (bf16 compute, fp32 masters); ``autocast`` (``torch_autocast`` bf16, fp32 parameters);
-``bf16_masters`` (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``). Libraries: ``ss``
+``bf16_masters`` (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``); ``bf16_masters_off`` (the same
+with ``offload_optimizer: cpu``; DeepSpeed steps it with DeepSpeedCPUAdam). Libraries: ``ss``
 (``shardspeed.initialize``) and ``ds`` (the real ``deepspeed.initialize``, its FusedAdam built for the CPU).
 One group of ``world`` fresh processes per (stage, library, mode), one after the other.
 
@@ -62,8 +63,10 @@ def config(mode: str, stage: int, batch: int) -> Dict[str, Any]:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif mode == "bf16":
         cfg["bf16"] = {"enabled": True}
-    elif mode == "bf16_masters":
+    elif mode.startswith("bf16_masters"):
         cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    if mode.endswith("_off"):  # DeepSpeed: its DeepSpeedCPUAdam (a JIT-built op) steps the host masters
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
 
@@ -72,7 +75,8 @@ def formula(mode: str, stage: int, psi: int, world: int, lib: str) -> float:
     from shardspeed.estimate.states import estimate_model_state_memory
 
     dtype = {"fp32": "fp32", "autocast": "fp32"}.get(mode, "bf16")
-    states = estimate_model_state_memory(psi, world, stage, dtype, bf16_masters=mode == "bf16_masters").device
+    states = estimate_model_state_memory(psi, world, stage, dtype, offload_optimizer=mode.endswith("_off"),
+                                         bf16_masters=mode.startswith("bf16_masters")).total  # device + host: one RAM
     return states + (2 * psi / world if lib == "ds" and mode == "bf16_masters" else 0.0)
 
 
