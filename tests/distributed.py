@@ -136,24 +136,26 @@ def one_and_two_rank_fixtures(fn: Callable, timeout: float = 300.0):
     return world1, world2, ranks
 
 
-def launch_pair_worker(worker: str, out: str, ours: bool) -> subprocess.Popen:
-    """``worker`` on 2 ranks under torchrun, writing to ``out``: with real DeepSpeed (``ours`` False) or with
-    shardspeed's ``deepspeed`` package first on the path (``ours`` True)."""
+def launch_pair_worker(worker: str, out: str, ours: bool, world: int = 2,
+                       args: Sequence[str] = ()) -> subprocess.Popen:
+    """``worker`` on ``world`` ranks under torchrun, writing to ``out`` (its first argument; ``args`` follow):
+    with real DeepSpeed (``ours`` False) or with shardspeed's ``deepspeed`` package first on the path
+    (``ours`` True)."""
     from shardspeed.compat import site_path
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(worker)))
     path = os.pathsep.join(([site_path()] if ours else []) + [repo])
     env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", worker, out]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", worker, out, *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run_pair_workers(worker: str, tmp_path_factory) -> dict:
+def run_pair_workers(worker: str, tmp_path_factory, world: int = 2, args: Sequence[str] = ()) -> dict:
     """:func:`launch_pair_worker` with real DeepSpeed and with ours at once; both must succeed. Returns each
     run's output folder by name ("real", "ours")."""
     out = {name: str(tmp_path_factory.mktemp(name)) for name in ("real", "ours")}
-    procs = {name: launch_pair_worker(worker, folder, name == "ours") for name, folder in out.items()}
+    procs = {name: launch_pair_worker(worker, folder, name == "ours", world, args) for name, folder in out.items()}
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"{name}:\n{log[-4000:]}"

@@ -1,9 +1,10 @@
-"""Worker for tests/test_precision_modes.py, run by torchrun at world 2 with either the real DeepSpeed or
-shardspeed's ``deepspeed`` package first on the path: ``torch_autocast`` (bf16, fp32 parameters) and bf16 master
-weights with bf16 optimizer states, each at ZeRO stages 1-3, trained 12 steps (2 micro-batches accumulated, clipped)
-on the same data. Rank 0 writes ``OUT/result.json``: per case the losses, the dtypes of the optimizer's state
+"""Worker for tests/test_precision_modes.py, run by torchrun (world 2; world 4 too) with either the real DeepSpeed
+or shardspeed's ``deepspeed`` package first on the path: ``torch_autocast`` (bf16, fp32 parameters) and bf16 master
+weights with bf16 optimizer states, each at ZeRO stages 1-3 (``bf16_masters_off``: offloaded to the CPU),
+trained 12 steps (2 micro-batches accumulated, clipped) on the same data. Rank 0 writes ``OUT/result.json``: per case the losses, the dtypes of the optimizer's state
 tensors and their bytes on each rank, and the ``comm_dtype`` tags on the Linear's and the LayerNorm's weights
-(the dtype their gradients are reduced in)."""
+(the dtype their gradients are reduced in). ``argv[2]``, optional: the cases to run, comma-separated
+(default all: ``autocast_z1`` .. ``bf16_masters_off_z3``)."""
 import datetime
 import json
 import os
@@ -14,6 +15,8 @@ import torch
 from worker_exit import end_distributed  # tests/, the folder of this script
 
 OUT = sys.argv[1]
+CASES = sys.argv[2].split(",") if len(sys.argv) > 2 else [f"{m}_z{s}" for m in ("autocast", "bf16_masters",
+                                                                                "bf16_masters_off") for s in (1, 2, 3)]
 STEPS, ACCUM = 12, 2
 
 
@@ -31,10 +34,15 @@ def config(stage: int, mode: str) -> dict:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     else:
         cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    if mode.endswith("_off"):  # DeepSpeed steps the host masters with its DeepSpeedCPUAdam (a JIT-built op)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
 
 def state_tensors(engine) -> list:
+    master = getattr(engine, "master_weights", None)  # shardspeed offloaded: Adam's moments live in its store
+    if master is not None and master.is_tiled:
+        return [t for tile in master.host_tiles for t in master.tile_state(tile)[1:]]
     inner = engine.optimizer
     inner = getattr(inner, "optimizer", inner)
     return [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -43,7 +51,7 @@ def state_tensors(engine) -> list:
 def train(stage: int, mode: str, rank: int) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model(), config=config(stage, mode))
     gen = torch.Generator().manual_seed(100 + rank)
-    dtype = torch.bfloat16 if mode == "bf16_masters" else torch.float32
+    dtype = torch.bfloat16 if mode.startswith("bf16_masters") else torch.float32
     losses = []
     for _ in range(STEPS):
         for _ in range(ACCUM):
@@ -55,7 +63,7 @@ def train(stage: int, mode: str, rank: int) -> dict:
             engine.step()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
-        losses.append(float(total) / 2)
+        losses.append(float(total) / torch.distributed.get_world_size())
     states = state_tensors(engine)
     return {"losses": losses, "state_dtypes": sorted({str(t.dtype) for t in states}),
             "state_bytes": sum(t.numel() * t.element_size() for t in states),
@@ -75,9 +83,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300),
                                auto_mpi_discovery=False)
     rank = torch.distributed.get_rank()
-    results = {f"{mode}_z{stage}": train(stage, mode, rank)
-               for mode in ("autocast", "bf16_masters") for stage in (1, 2, 3)}
-    gathered = [None, None]
+    results = {case: train(int(case[-1]), case[: -len("_z1")], rank) for case in CASES}
+    gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         merged = {k: dict(v, state_bytes=[g[k]["state_bytes"] for g in gathered]) for k, v in results.items()}

@@ -31,8 +31,9 @@ def test_offload_moves_states_to_host():
     assert m.host == pytest.approx(12e9 / 8)
     m = estimate_model_state_memory(1e9, 8, 3, "fp32", offload_optimizer=True, offload_param=True)
     assert m.device == pytest.approx(4e9 / 8)  # only the fp32 grad shard stays
-    assert m.host == pytest.approx(8e9 / 8 + 4e9 / 8)
-    assert m.total == pytest.approx(16e9 / 8)
+    # host: m, v + the parameter shard + the fp32 master, a copy of it (offload/master.py; as peak._held prices it)
+    assert m.host == pytest.approx(8e9 / 8 + 4e9 / 8 + 4e9 / 8)
+    assert m.total == pytest.approx(20e9 / 8)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -289,6 +289,48 @@ def test_trace_is_linear_in_micro_batch_and_checkpointing_saves():
     assert 0.5 < four.forward_bytes / f.forward_bytes < 2.5
 
 
+def _saved_by_autograd(cfg: GPTConfig, micro_batch: int, autocast: bool) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one real forward (the activations alive
+    when it ends), under ``torch.autocast`` bf16 or not."""
+    import torch
+
+    from shardspeed.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in params:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(x, x)
+    return sum(seen.values())
+
+
+def test_torch_autocast_trace_counts_what_autograd_saves():
+    """torch_autocast: the trace runs the forward under autocast, so it counts the bf16 copies of the Linear
+    weights and the bf16 casts of their inputs that autograd keeps for backward: the traced forward bytes are
+    those a real autocast forward saves (to the loss scalar), and differ from the fp32 trace's."""
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=128)
+    base = {"train_micro_batch_size_per_gpu": 2}
+    traced = {}
+    for autocast in (False, True):
+        conf = dict(base, torch_autocast={"enabled": True, "dtype": "bf16"}) if autocast else base
+        prof = describe_gpt(cfg, conf, micro_batch=2, seq_len=64).activations
+        assert prof is not None
+        assert prof.forward_bytes == pytest.approx(_saved_by_autograd(cfg, 2, autocast), abs=8)
+        traced[autocast] = prof.forward_bytes
+    linear_weights = 3 * 12 * 128 * 128 + 256 * 128  # the blocks' four Linears and the tied head, 2 bytes each
+    assert traced[True] != traced[False] and traced[True] > 2 * linear_weights
+
+
 def test_stage3_units_are_the_blocks_and_the_root():
     spec = describe_gpt(GPTConfig.preset("small"), None, trace=False)
     block = 12 * 256 * 256 + 13 * 256  # 4 linears (weights and biases) and two layer norms

@@ -1,4 +1,4 @@
-"""Issue 40's precision keys against DeepSpeed 0.19.8 (tests/precision_ds_worker.py under torchrun at world 2,
+"""Issue 40's precision keys against DeepSpeed 0.19.8 (tests/precision_ds_worker.py under torchrun at world 2 and 4,
 once with DeepSpeed and once with shardspeed's ``deepspeed`` package, side by side): ``torch_autocast`` (bf16,
 fp32 parameters) and bf16 master weights with bf16 optimizer states at ZeRO 1-3 give DeepSpeed's losses over 12
 steps (2 micro-batches, clipping) within bf16 tolerance, optimizer states of the same dtype and bytes (bf16 states:
@@ -20,7 +20,9 @@ from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
 from tests.distributed import free_port, run_pair_workers
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precision_ds_worker.py")
-CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters") for stage in (1, 2, 3)]
+CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters", "bf16_masters_off") for stage in (1, 2, 3)]
+# world 4: every case; the cost is the 8 processes starting (~75 CPU-seconds for 6 cases or for 2), not the cases
+CASES4 = CASES
 
 
 
@@ -35,7 +37,10 @@ def one_rank_env(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    out = run_pair_workers(WORKER, tmp_path_factory)
+    return _load(run_pair_workers(WORKER, tmp_path_factory, args=[",".join(CASES)]))
+
+
+def _load(out: dict) -> dict:
     loaded = {}
     for name, folder in out.items():
         with open(os.path.join(folder, "result.json")) as f:
@@ -43,9 +48,14 @@ def runs(tmp_path_factory):
     return loaded
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_losses_states_and_tags_match_deepspeed(runs, case):
-    real, ours = runs["real"][case], runs["ours"][case]
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory):
+    """The same worker at world 4, real DeepSpeed and ours side by side."""
+    pytest.importorskip("deepspeed")
+    return _load(run_pair_workers(WORKER, tmp_path_factory, world=4, args=[",".join(CASES4)]))
+
+
+def _assert_matches_deepspeed(real: dict, ours: dict, case: str) -> None:
     assert len(ours["losses"]) == len(real["losses"]) == 12
     diffs = [abs(a - b) for a, b in zip(ours["losses"], real["losses"])]
     assert max(diffs) < 1e-3, (case, diffs)  # bf16 rounding; observed ~2e-4
@@ -54,6 +64,19 @@ def test_losses_states_and_tags_match_deepspeed(runs, case):
     assert ours["state_bytes"] == real["state_bytes"]
     assert ours["param_dtype"] == real["param_dtype"]
     assert ours["comm_dtype"] == real["comm_dtype"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_states_and_tags_match_deepspeed(runs, case):
+    _assert_matches_deepspeed(runs["real"][case], runs["ours"][case], case)
+
+
+@pytest.mark.parametrize("case", CASES4)
+def test_world4_losses_states_and_tags_match_deepspeed(runs4, case):
+    real, ours = runs4["real"][case], runs4["ours"][case]
+    _assert_matches_deepspeed(real, ours, case)
+    state_b = 2 if case.startswith("bf16") else 4
+    assert ours["state_bytes"] == [5896 // 4 * 2 * state_b] * 4  # two Adam moments, a quarter each
 
 
 def test_bf16_optimizer_states_are_half_the_bytes(runs):
@@ -67,6 +90,11 @@ def test_bf16_optimizer_states_are_half_the_bytes(runs):
         assert estimate_model_state_memory(5896, 2, stage, "fp32").optimizer_device == fp32["state_bytes"][0]
         assert estimate_model_state_memory(5896, 2, stage, "bf16", bf16_masters=True).optimizer_device \
             == bf16["state_bytes"][0]
+        # offloaded (DeepSpeed: DeepSpeedCPUAdam with bf16 moments): the same bf16 moments, in host memory
+        off = ours[f"bf16_masters_off_z{stage}"]
+        assert off["state_dtypes"] == ["torch.bfloat16"] and off["state_bytes"] == bf16["state_bytes"]
+        est = estimate_model_state_memory(5896, 2, stage, "bf16", offload_optimizer=True, bf16_masters=True)
+        assert est.optimizer_device == 0 and est.optimizer_host == 5896 // 2 * (2 * 2 + 2)  # bf16 master + m, v
     assert ours["autocast_z1"]["comm_dtype"] == ["torch.bfloat16", "None"]
     # the Linear layers' gradients go on the wire in bf16; the LayerNorm's in fp32 (a unit of its own at
     # stages 1-2; at stage 3 the units are modules, so each Linear reduces in bf16 and the LayerNorm in fp32)
@@ -87,11 +115,24 @@ def _cfg(**extra) -> dict:
      "bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
       "zero_optimization": {"stage": 0}}, "bf16.bf16_master_weights_and_grads is only supported with ZeRO stage 1"),
+    # DeepSpeed 0.19.8 runs these with DeepSpeedCPUAdam (fp32 moments without bf16_optimizer_states; checked on
+    # its CPU accelerator at stages 2 and 3); shardspeed runs bf16 masters offloaded to the CPU with bf16 moments only
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "bf16.bf16_master_weights_and_grads with offload_optimizer and without bf16.bf16_optimizer_states (DeepSpeed's "
+     "bf16 host masters with fp32 moments) is not implemented in shardspeed"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+     "bf16.bf16_master_weights_and_grads with offload_optimizer device 'nvme' is not implemented in shardspeed"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-     "bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer"),
+     "fp16.fp16_master_weights_and_grads with offload_optimizer (DeepSpeed's fp16 masters on the host, stepped by "
+     "DeepSpeedCPUAdam) is not implemented in shardspeed"),
+    # DeepSpeed refuses this one too (stage_1_and_2.py / stage3.py: _enforce_cpu_offload)
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
-     "fp16.fp16_master_weights_and_grads: DeepSpeed allows fp16 masters only with ZeRO-Offload"),
+     "fp16.fp16_master_weights_and_grads without zero_optimization.offload_optimizer: DeepSpeed refuses it too"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 0}},
+     "fp16.fp16_master_weights_and_grads is only supported with ZeRO stage 1, 2 or 3"),
     ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype 'bf16' conflicts with the training dtype"),
     ({"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
      "torch_autocast.enabled with zero_optimization.zero_quantized_weights"),
@@ -173,15 +214,21 @@ def test_torch_autocast_stage0_equals_plain_torch_autocast(monkeypatch):
 
 
 def _states(engine) -> list:
+    master = engine.master_weights
+    if master.is_tiled:  # offloaded: the master and Adam's moments of each host tile
+        return [t for tile in master.host_tiles for t in master.tile_state(tile)]
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     return [v for st in inner.state.values() for k, v in sorted(st.items()) if k != "step" and v.dim() > 0]
 
 
-def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("offload", [False, True])
+def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog, offload):
     """Saved with bf16 masters, loaded by an engine with fp32 masters (and back): the weights and Adam's moments
-    convert, one log line names the conversion, and training goes on."""
+    convert, one log line names the conversion, and training goes on; on the device, and offloaded to the CPU
+    (stage 2: masters and moments in the offload store, bf16 with bf16 masters)."""
     one_rank_env(monkeypatch)
-    base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}} if offload else {"stage": 1}
+    base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     full = dict(base, bf16={"enabled": True})

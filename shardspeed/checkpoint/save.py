@@ -114,7 +114,7 @@ def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[t
         tp = _tp(view, op.name)
 
         def lazy(name: str, seg=op.segment, n=n) -> LazyTensor:
-            return LazyTensor((n,), torch.float32, lambda: master.read_segment(seg, name))
+            return LazyTensor((n,), view.master_dtype, lambda: master.read_segment(seg, name))
 
         key = f"w/{op.name}/{op.start}"
         items.append((key, lazy("master")))

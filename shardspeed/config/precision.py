@@ -55,7 +55,8 @@ class FP16Config(ConfigModel):
     min_loss_scale: float = field(1.0, "Floor of the dynamic loss scale.", gt=0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = field(
         False, "DeepSpeed: keep master weights and gradients in fp16. DeepSpeed allows it only with ZeRO-Offload "
-        "and its CPU Adam, which shardspeed does not run with 16-bit masters: refused.")
+        "and its CPU Adam (refusing it without offload, as shardspeed does); shardspeed does not run fp16 masters "
+        "offloaded either: refused by name.")
 
 
 class BF16Config(ConfigModel):
@@ -69,7 +70,8 @@ class BF16Config(ConfigModel):
         "global gradient norm is inf/nan, in bf16 and fp32 training alike; fp16 always checks.")
     bf16_master_weights_and_grads: bool = field(
         False, "Keep master weights and gradients in bf16, no fp32 copy (ZeRO 1-3; with bf16_optimizer_states, "
-        "as DeepSpeed requires without offload). A bf16 training run's master is then the bf16 shard itself.")
+        "as DeepSpeed requires without offload; with offload_optimizer device cpu the bf16 masters and moments live "
+        "on the host). A bf16 training run's master is then the bf16 shard itself.")
     bf16_optimizer_states: bool = field(False, "Keep optimizer states (Adam's moments) in bf16 (ZeRO 1-3; needs "
                                         "bf16_master_weights_and_grads).")
 

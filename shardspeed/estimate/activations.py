@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -169,13 +169,16 @@ def _loss_of(out: Any) -> torch.Tensor:
 
 
 def trace_activations(build: Callable[[], nn.Module], batch: Callable[[int], Any], micro_batch: int, *,
-                      seq_len: int, dtype: torch.dtype = torch.float32, checkpointing: bool = False
-                      ) -> ActivationProfile:
+                      seq_len: int, dtype: torch.dtype = torch.float32, checkpointing: bool = False,
+                      autocast: Optional[torch.dtype] = None) -> ActivationProfile:
     """Activation bytes of one training micro-step of ``build()`` on ``batch(micro_batch)`` (a tuple of
     positional inputs or a dict of keyword inputs), traced on fake tensors: no real memory, no compute.
 
     ``dtype``: the training dtype (the model is cast to it, as the engine does). ``checkpointing`` wraps each
-    transformer block first (:func:`shardspeed.checkpointing.checkpoint_blocks`, full recompute)."""
+    transformer block first (:func:`shardspeed.checkpointing.checkpoint_blocks`, full recompute). ``autocast``:
+    the forward runs under ``torch.autocast`` in that dtype (``torch_autocast``), as the engine runs it: the
+    low-precision copies of the weights autograd saves for backward (2 bytes per Linear element) and the casts
+    of the activations are counted with the rest."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..checkpointing import checkpoint_blocks
@@ -194,7 +197,8 @@ def trace_activations(build: Callable[[], nn.Module], batch: Callable[[int], Any
         hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
         inputs = batch(micro_batch)
         with _LiveBytes(exclude) as live:
-            out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
             loss = _loss_of(out)
             del out
             forward = live.live

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..optim.muon import use_muon
 from .activations import ActivationProfile, TransformerShape, trace_activations
-from .planning import prefetch_bucket, train_dtype
+from .planning import autocast_dtype, prefetch_bucket, train_dtype
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def describe_gpt(cfg, config: Any = None, *, micro_batch: Optional[int] = None, 
     spec = describe_module(model, config, name=f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd})", shape=shape)
     if micro_batch and trace:
         spec = _with_traced_tokens(spec, lambda: GPT(cfg), micro_batch, seq_len or cfg.block_size, checkpointing,
-                                   dtype or train_dtype(config))
+                                   dtype or train_dtype(config), autocast_dtype(config))
     return spec
 
 
@@ -117,7 +117,8 @@ def describe_hf_config(path: str, config: Any = None, *, micro_batch: Optional[i
 
         spec = spec.with_activations(trace_activations(lambda: AutoModelForCausalLM.from_config(hf), batch,
                                                        micro_batch, seq_len=s, checkpointing=checkpointing,
-                                                       dtype=dtype or train_dtype(config)))
+                                                       dtype=dtype or train_dtype(config),
+                                                       autocast=autocast_dtype(config)))
     return spec
 
 
@@ -154,20 +155,21 @@ def describe_factory(target: str, config: Any = None, *, micro_batch: Optional[i
     spec = describe_module(model, config, name=target, shape=shape)
     if micro_batch and trace and shape is not None:
         spec = _with_traced_tokens(spec, fn, micro_batch, seq_len or shape.max_seq, checkpointing,
-                                   dtype or train_dtype(config))
+                                   dtype or train_dtype(config), autocast_dtype(config))
     return spec
 
 
 def _with_traced_tokens(spec: ModelSpec, build: Callable[[], nn.Module], micro_batch: int, seq_len: int,
-                        checkpointing: bool, dtype: torch.dtype) -> ModelSpec:
-    """``spec`` with activations traced on a batch of token ids ``(x, x)`` (inputs and labels) of ``seq_len``."""
+                        checkpointing: bool, dtype: torch.dtype, autocast: Optional[torch.dtype] = None) -> ModelSpec:
+    """``spec`` with activations traced on a batch of token ids ``(x, x)`` (inputs and labels) of ``seq_len``,
+    the forward under ``torch.autocast`` in ``autocast`` (None: none)."""
 
     def batch(b: int):
         x = torch.zeros(b, seq_len, dtype=torch.long)
         return (x, x)
 
     return spec.with_activations(trace_activations(build, batch, micro_batch, seq_len=seq_len,
-                                                   checkpointing=checkpointing, dtype=dtype))
+                                                   checkpointing=checkpointing, dtype=dtype, autocast=autocast))
 
 
 def _shape_of(cfg: Any) -> Optional[TransformerShape]:

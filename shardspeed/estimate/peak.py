@@ -375,8 +375,15 @@ def _startup(spec: ModelSpec, z: _Sizes, built_dtype: torch.dtype, zero_init: bo
     if zero_init:  # shards only, plus one whole parameter being assembled
         return (z.shard + max(spec.param_numels)) * b_b, host
     # the whole model exists on every rank while each unit's flat buffer (stages 0-2) or shard (stage 3) is
-    # cut from it; a unit's original tensors are freed once it is built
-    return z.psi * b_b + largest * z.t_b, host
+    # cut from it; a unit's original tensors are freed once it is built. Built in another dtype, the model is
+    # cast first, one parameter at a time (runtime/precision_setup.py), so the units are cut from the cast model
+    # (measured on the 112.6M GPT at world 4, benchmarks/bench_precision_memory.py)
+    cut = z.psi * z.t_b + largest * z.t_b
+    if b_b == z.t_b:
+        return cut, host
+    share = z.psi / spec.num_params if spec.num_params else 1.0  # this rank's model-parallel slice
+    casting = z.psi * b_b + max(spec.param_numels, default=0) * share * z.t_b
+    return max(casting, cut), host
 
 
 def paper_table(num_params: float = 7.5e9, world_size: int = 64) -> Dict[int, float]:

@@ -56,6 +56,14 @@ def train_dtype(config: Any) -> torch.dtype:
     return precision_of(config).compute
 
 
+def autocast_dtype(config: Any) -> Optional[torch.dtype]:
+    """The dtype ``torch_autocast`` runs the forward in (None: no autocast; torch's CPU default when unnamed)."""
+    ac = precision_of(config).autocast
+    if ac is None:
+        return None
+    return ac.dtype if ac.dtype is not None else torch.get_autocast_dtype("cpu")
+
+
 def state_bytes(step: OptimizerPlan, muon_share: Optional[float] = None) -> float:
     """fp32 optimizer-state bytes per element of the plan's optimizer (AdamW's 8 when it names none). Muon: 4
     (one momentum, no second moment) on the share ``muon_share`` of the elements it steps, its AdamW's 8 on

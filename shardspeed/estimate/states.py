@@ -21,8 +21,8 @@ fp32 copy: bf16 parameters are their own master (no second copy, where DeepSpeed
 Adam's moments are bf16, so 2Ψ + 2Ψ + 4Ψ: stage 1 4Ψ + 4Ψ/N, stage 2 2Ψ + 6Ψ/N, stage 3 8Ψ/N (not at
 stage 0, as in DeepSpeed).
 
-``offload_optimizer`` moves the optimizer-state shard (12Ψ/N, or 8Ψ/N at fp32) to host memory (stages
-1-3); ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
+``offload_optimizer`` moves the optimizer-state shard to host memory (stages 1-3): 12Ψ/N; at fp32 8Ψ/N plus
+a 4Ψ/N master (the parameter shard stays behind, so the master is a copy); with bf16 masters and states 6Ψ/N; ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
 does is the plan's (:func:`model_states`); :func:`estimate_model_state_memory` writes the config of a stage,
 a dtype and the offloads, and prices its plan.
 """
@@ -80,7 +80,9 @@ def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
     n = float(num_params) / (plan.mesh.model * plan.mesh.pipe)
     div = plan.mesh.shard_size
     m_b = _dtype_bytes(pr.master)  # Adam's two moments follow the master's dtype (bf16_optimizer_states)
-    o_b = 2 * m_b + (m_b if pr.compute != pr.master else 0)  # a master copy unless the parameters are it
+    # a master copy unless the parameters are it (same dtype, both on the device, as peak._held prices it)
+    separate = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
+    o_b = 2 * m_b + (m_b if separate else 0)
     params = _dtype_bytes(pr.compute) * n / (div if sh.partition_parameters else 1)
     grads = _dtype_bytes(pr.accumulate) * n / (div if sh.partition_gradients else 1)
     optim = o_b * n / (div if sh.partition_optimizer else 1)

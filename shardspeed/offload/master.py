@@ -87,6 +87,7 @@ class OffloadedMasterWeights(MasterWeights):
         gather_after_step: bool,
         check_overflow: bool,
         plan: OffloadPlan,
+        master_dtype: torch.dtype = torch.float32,
     ):
         if plan.device not in ("cpu", "nvme"):
             raise ConfigError(f"offload device must be 'cpu' or 'nvme', got {plan.device!r}")
@@ -104,13 +105,13 @@ class OffloadedMasterWeights(MasterWeights):
                 return device_master(unit)
             if plan.device == "nvme":
                 return None
-            m = torch.empty(unit.layout.chunk_size, dtype=torch.float32, pin_memory=pin)
+            m = torch.empty(unit.layout.chunk_size, dtype=master_dtype, pin_memory=pin)
             m.copy_(unit.shard)
             return m
 
         super().__init__(units, reducer, collectives, group_of_param, make_optimizer, sharded=sharded,
                          gather_after_step=gather_after_step, check_overflow=check_overflow,
-                         make_master=make_master)
+                         make_master=make_master, master_dtype=master_dtype)
         nvme = plan.device == "nvme"
         self.tiled = is_adam_family(self.optimizer)
         if not self.tiled and nvme:
@@ -175,7 +176,7 @@ class OffloadedMasterWeights(MasterWeights):
         assert self.device_store is not None  # tiled
         for t, st in self.device_store.stream(self.device_tiles):
             g = grads[t.unit]
-            g = torch.zeros_like(st.master) if g is None else g[t.lo : t.hi].to(torch.float32)
+            g = torch.zeros_like(st.master) if g is None else g[t.lo : t.hi].to(st.master.dtype)
             if coef != 1.0:
                 g.mul_(coef)
             adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._device_step, hyper[t.group])
@@ -205,6 +206,8 @@ class OffloadedMasterWeights(MasterWeights):
                     nxt = fetch(k + 1)
                 if coef != 1.0:
                     g.mul_(coef)
+                if g.dtype != st.master.dtype:  # bf16 masters: the unscaled, clipped fp32 tile rounded once
+                    g = g.to(st.master.dtype)
                 adam_step(st.master, g, st.exp_avg, st.exp_avg_sq, self._host_step, hyper[t.group],
                           self.plan.threads, self._step_pool)
                 unit = self.units[t.unit]
@@ -289,7 +292,7 @@ class OffloadedMasterWeights(MasterWeights):
                     "offloaded_optimizer": host["optimizer"]}
         assert self.device_store is not None and self.host_store is not None  # tiled
         dev = self.device_store.held_bytes()
-        master_dev = sum(m.numel() * 4 for u, m in self.device_store.masters.items()
+        master_dev = sum(m.numel() * m.element_size() for u, m in self.device_store.masters.items()
                          if not self.units[u].placement.aliases(m))
         out = {"master": master_dev, "optimizer": dev["optimizer"]}
         host = self.host_store.held_bytes()

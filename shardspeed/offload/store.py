@@ -143,8 +143,8 @@ class MemoryStateStore:
         pass
 
     def held_bytes(self) -> Dict[str, int]:
-        master = sum(m.numel() * _FP32 for m in self.masters.values())
-        moments = sum(2 * m.numel() * _FP32 for m, _ in self.moments.values())
+        master = sum(m.numel() * m.element_size() for m in self.masters.values())
+        moments = sum(2 * m.numel() * m.element_size() for m, _ in self.moments.values())
         return {"master": master, "optimizer": moments}
 
     def close(self) -> None:

@@ -57,7 +57,9 @@ def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
     """The dtype of master weights and of the gradients the optimizer steps on: bf16 with
     ``bf16.bf16_master_weights_and_grads``, else fp32. DeepSpeed's rules: 16-bit masters only at ZeRO 1-3;
     bf16 masters without ``bf16_optimizer_states``, and fp16 masters always, only with ZeRO-Offload and its CPU
-    Adam, which shardspeed does not run with 16-bit masters: refused by name."""
+    Adam (``runtime/zero/stage_1_and_2.py``, ``stage3.py``: ``_enforce_cpu_offload``); bf16 masters with
+    ``bf16_optimizer_states`` run with or without offload there. shardspeed runs bf16 masters with bf16 states on
+    the device or offloaded to the CPU; each other case is refused by name, saying whether DeepSpeed refuses it."""
     stage = int(cfg.zero_optimization.stage)
     bf16, fp16 = cfg.bf16, cfg.fp16
     for key, on in (("fp16.fp16_master_weights_and_grads", fp16.fp16_master_weights_and_grads),
@@ -68,19 +70,28 @@ def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
                               f"zero_optimization.stage or drop the key")
     offload = cfg.zero_optimization.offload_optimizer
     offloaded = offload is not None and offload.device != "none"
+    if fp16.fp16_master_weights_and_grads and not offloaded:
+        raise ConfigError("fp16.fp16_master_weights_and_grads without zero_optimization.offload_optimizer: DeepSpeed "
+                          "refuses it too (\"Master weights feature requires ZeRO Offload with DeepSpeedCPUAdam\"); "
+                          "use bf16 with bf16.bf16_master_weights_and_grads and bf16_optimizer_states instead")
     if fp16.fp16_master_weights_and_grads:
-        raise ConfigError("fp16.fp16_master_weights_and_grads: DeepSpeed allows fp16 masters only with ZeRO-Offload "
-                          "and DeepSpeedCPUAdam, and shardspeed's offloaded optimizer keeps fp32 masters; use "
-                          "bf16 with bf16.bf16_master_weights_and_grads and bf16_optimizer_states instead")
+        raise ConfigError("fp16.fp16_master_weights_and_grads with offload_optimizer (DeepSpeed's fp16 masters on "
+                          "the host, stepped by DeepSpeedCPUAdam) is not implemented in shardspeed: its offloaded "
+                          "optimizer keeps fp32 masters; drop the key (fp16 with fp32 masters)")
     if not bf16.bf16_master_weights_and_grads:
         return torch.float32
-    if offloaded:
-        raise ConfigError("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer: shardspeed's "
-                          "offloaded optimizer keeps fp32 masters and states; drop offload_optimizer or the key")
+    if offloaded and not bf16.bf16_optimizer_states:
+        raise ConfigError("bf16.bf16_master_weights_and_grads with offload_optimizer and without "
+                          "bf16.bf16_optimizer_states (DeepSpeed's bf16 host masters with fp32 moments) is not "
+                          "implemented in shardspeed; set bf16_optimizer_states true (bf16 moments, as DeepSpeed)")
+    if offload is not None and offloaded and offload.device != "cpu":
+        raise ConfigError(f"bf16.bf16_master_weights_and_grads with offload_optimizer device '{offload.device}' is not "
+                          f"implemented in shardspeed (its NVMe files hold fp32 states); use device 'cpu' or drop "
+                          f"the key")
     if not bf16.bf16_optimizer_states:
         raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states: DeepSpeed then "
-                          "needs ZeRO-Offload with DeepSpeedCPUAdam (fp32 moments on the host), which shardspeed "
-                          "does not run with bf16 masters; set bf16_optimizer_states true too")
+                          "needs ZeRO-Offload with DeepSpeedCPUAdam (fp32 moments on the host), and refuses it "
+                          "without offload_optimizer; set bf16_optimizer_states true too")
     return torch.bfloat16
 
 

@@ -343,7 +343,8 @@ def _master_weights(plan: Plan, zero: ZeroRoot, collectives: Collectives, group_
     offload = OffloadPlan(device="cpu" if pl.optimizer == "host" else "nvme", nvme_path=pl.optimizer_path,
                           buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,
                           tile_elems=pl.tile_elems)
-    return OffloadedMasterWeights(zero.units, zero, collectives, group_of, make_optimizer, plan=offload, **kwargs)
+    return OffloadedMasterWeights(zero.units, zero, collectives, group_of, make_optimizer, plan=offload,
+                                  master_dtype=plan.precision.master, **kwargs)
 
 
 def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,
