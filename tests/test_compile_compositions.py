@@ -228,7 +228,9 @@ def test_training_forwards_of_a_caching_hf_model_run_without_the_cache(caplog):
     with caplog.at_level(logging.WARNING, logger="shardspeed.compile"):
         for _ in range(2):
             assert model(x, use_cache=True).past_key_values is not None
-    assert [r.getMessage() for r in caplog.records] == [
+    # Only our logger's records: transformers' own warnings reach caplog when an earlier test in the same
+    # process turned on its propagation (the CI order does).
+    assert [r.getMessage() for r in caplog.records if r.name == "shardspeed.compile"] == [
         "GPT2LMHeadModel: a compiled training forward with use_cache=True builds a cache that training never reads "
         "and recompiles each layer once; pass use_cache=False"]
     handle.remove()
