@@ -16,7 +16,9 @@ LayerNorm and biases go to AdamW.
   and the bytes the exchange moves equal the count from the layout;
 - gradient accumulation (stage 3, 2 micro-steps) equals the reference; the estimator prices Muon's state as
   the engine holds it;
-- a checkpoint save and load continues identically; offload_optimizer is refused by name;
+- a checkpoint save and load continues identically;
+- ``offload_optimizer: cpu`` at stages 1-3 (masters and state on the host, the exchange through the device)
+  equals the reference and DeepSpeed's ZeRO-Offload, and resumes from its checkpoint; NVMe is refused by name;
 - ``engine.get_global_grad_norm()`` at stages 1-3 is DeepSpeed's: the norm over the orthogonalised updates and
   the AdamW gradients (against DeepSpeed and against the same norm taken from the reference's torch step);
 - tensor parallelism (TP 2, the GPT of ``shardspeed.models`` at stages 0, 1 and 3): each full matrix (a slice per
@@ -26,7 +28,7 @@ LayerNorm and biases go to AdamW.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -46,10 +48,19 @@ BF16_TOL = 1e-2
 CLIPPED = (1, 3)
 #: TP 2 at world 2 (one data rank: stage 2's exchange is stage 1's)
 TP_STAGES = (0, 1, 3)
+#: stages run with ``offload_optimizer: cpu`` too (DeepSpeed's ZeRO-Offload runs Muon on the host)
+OFFLOADED = (1, 2, 3)
 
 
 def _config(stage: int, ns_method: str = "gram", **extra) -> dict:
     return muon_config(stage, 2, ns_method, **extra)
+
+
+def _offloaded(stage: int) -> dict:
+    """Muon with ``offload_optimizer: cpu`` (DeepSpeed runs it: its MuonWithAuxAdam on the host masters)."""
+    cfg = _config(stage)
+    cfg["zero_optimization"] = dict(cfg["zero_optimization"], offload_optimizer={"device": "cpu"})
+    return cfg
 
 
 def _train(engine, batches, gas: int = 1) -> List[float]:
@@ -123,10 +134,20 @@ def _ours_job(tmp: str) -> dict:
     for stage in TP_STAGES:
         out[f"tp{stage}"] = _tp_job(stage)
     out["client"] = _client_job(batches)
+    for stage in OFFLOADED:
+        model = make_model("tied")
+        engine, *_ = shardspeed.initialize(model=model, config=_offloaded(stage), model_parameters=model.parameters())
+        run = train(engine, batches)
+        out[f"offload{stage}"], out[f"offload_norms{stage}"] = run["losses"], run["norms"]
+        held = engine.memory_breakdown()
+        on_host = torch.tensor([float(held["offloaded_optimizer_states"]), float(held["optimizer_states"])])
+        dist.all_reduce(on_host)
+        out[f"offload_held{stage}"] = on_host.tolist()
+    out["offload_resume"] = _resume_job(tmp + "/offloaded", batches, _offloaded(3))
     model = make_model("tied")
     try:
-        shardspeed.initialize(model=model, config=_config(2, zero_optimization={
-            "stage": 2, "offload_optimizer": {"device": "cpu"}}), model_parameters=model.parameters())
+        shardspeed.initialize(model=model, config=_config(3, zero_optimization={
+            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": tmp}}), model_parameters=model.parameters())
     except ConfigError as e:
         out["refused"] = str(e)
     return out
@@ -145,16 +166,17 @@ def _client_job(batches) -> List[float]:
     return _train(engine, batches)
 
 
-def _resume_job(tmp: str, batches) -> dict:
+def _resume_job(tmp: str, batches, config: Optional[dict] = None) -> dict:
     import shardspeed
 
+    config = config or _config(2)
     model = make_model("tied")
-    engine, *_ = shardspeed.initialize(model=model, config=_config(2), model_parameters=model.parameters())
+    engine, *_ = shardspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     _train(engine, batches[:4])
     engine.save_checkpoint(tmp, tag="t")
     straight = _train(engine, batches[4:8])
     model = make_model("tied", seed=5)
-    engine, *_ = shardspeed.initialize(model=model, config=_config(2), model_parameters=model.parameters())
+    engine, *_ = shardspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     engine.load_checkpoint(tmp, tag="t")
     return {"straight": straight, "resumed": _train(engine, batches[4:8])}
 
@@ -167,6 +189,9 @@ def _deepspeed_job() -> dict:
         out[stage], out[f"norms{stage}"] = run["losses"], run["norms"]
     for stage in CLIPPED:
         out[f"clip{stage}"] = _train(deepspeed_engine(dict(_config(stage), gradient_clipping=1.0)), batches)
+    for stage in OFFLOADED:
+        run = train(deepspeed_engine(_offloaded(stage)), batches)
+        out[f"offload{stage}"], out[f"offload_norms{stage}"] = run["losses"], run["norms"]
     return out
 
 
@@ -238,10 +263,26 @@ def test_estimator_prices_muon_state_as_the_engine_holds_it(ours, stage):
     assert 2 * est == ours[f"state_bytes{stage}"] and adamw - est == 4 * muon / 2
 
 
+def test_estimator_prices_the_offloaded_muon_step_as_it_runs():
+    """With offload_optimizer cpu, Muon takes the offloaded optimizer's generic host step: masters and state on
+    the host, every gradient shard copied there at once for the step (no tile copier)."""
+    from shardspeed.estimate import ActivationProfile, estimate_peak
+    from shardspeed.estimate.model import describe_module
+
+    cfg = _offloaded(1)  # stage 1: the step is the peak phase (stage 2's backward bucket ties it on this model)
+    spec = describe_module(make_model("tied"), cfg).with_activations(ActivationProfile(0.0, 0.0, 2, 8, False, "fitted"))
+    step = estimate_peak(spec, cfg, world_size=2).terms
+    shard = spec.num_params / 2
+    assert step["grads_copy_host"] == 4 * shard and step["master_host"] == 4 * shard
+    assert "offload_buffers_host" not in step and "optimizer" not in step
+    adam = estimate_peak(spec, dict(cfg, optimizer={"type": "AdamW"}), world_size=2).terms
+    assert "grads_copy_host" not in adam and adam["offload_buffers_host"] > 0
+
+
 def test_estimate_cli_prices_muon_by_the_formula(tmp_path, capsys):
     """``shardspeed estimate`` with a Muon config: optimizer state 4 bytes per Muon element (its momentum) and 8
-    per AdamW element (two moments), divided over the data ranks at stages 1-3; no optimizer-offload rows
-    (refused with Muon)."""
+    per AdamW element (two moments), divided over the data ranks at stages 1-3; with offload_optimizer cpu the
+    same bytes on the host."""
     import json
 
     from shardspeed.cli import main
@@ -257,10 +298,12 @@ def test_estimate_cli_prices_muon_by_the_formula(tmp_path, capsys):
     n = sum(p.numel() for p in named.values())
     muon = sum(p.numel() for name, p in named.items() if use_muon(name, p))
     assert got["num_params"] == n and 0 < muon < n
-    rows = {r["stage"]: r for r in got["rows"]}
-    assert sorted(rows) == [0, 1, 2, 3] and all(r["offload_optimizer"] == "none" for r in got["rows"])
-    for stage, r in rows.items():
-        assert r["model_states"]["optimizer"] == (4 * muon + 8 * (n - muon)) / (2 if stage else 1)
+    rows = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r["model_states"] for r in got["rows"]}
+    assert sorted(rows) == [(0, "none", "none"), (1, "cpu", "none"), (1, "none", "none"), (2, "cpu", "none"),
+                            (2, "none", "none"), (3, "cpu", "cpu"), (3, "cpu", "none"), (3, "none", "none")]
+    for (stage, offload, _), r in rows.items():
+        assert r["optimizer_host" if offload == "cpu" else "optimizer"] == (4 * muon + 8 * (n - muon)) / (
+            2 if stage else 1)
 
 
 def test_keys_defaults_and_a_groups_own_settings():
@@ -347,8 +390,25 @@ def test_tensor_parallel_matrices_orthogonalised_once_and_bytes_as_counted(ours,
     assert run["logged"] == 4 * STEPS * run["sent"]
 
 
-def test_offload_optimizer_is_refused_by_name(ours):
-    assert "optimizer.type 'Muon' with zero_optimization.offload_optimizer is not implemented" in ours["refused"]
+@pytest.mark.parametrize("stage", OFFLOADED)
+def test_offloaded_optimizer_equals_the_reference_and_holds_its_state_on_the_host(ours, reference_runs, stage):
+    """``offload_optimizer: cpu``: host masters and Muon/AdamW state, the same matrices exchanged (through the
+    device the exchange runs on), the losses and norms of the reference; the state bytes all on the host."""
+    ref = reference_runs["fp32"]
+    torch.testing.assert_close(torch.tensor(ours[f"offload{stage}"]), torch.tensor(ref["losses"]), rtol=0, atol=TOL)
+    torch.testing.assert_close(torch.tensor(ours[f"offload_norms{stage}"]), torch.tensor(ref["norms"]), rtol=1e-5,
+                               atol=0)
+    assert ours[f"offload_held{stage}"] == [float(ours[f"state_bytes{stage}"]), 0.0]
+
+
+def test_offloaded_checkpoint_resume_continues_identically(ours):
+    run = ours["offload_resume"]
+    assert run["resumed"] == run["straight"] and len(run["straight"]) == 4
+
+
+def test_nvme_offload_is_refused_by_name(ours):
+    assert "optimizer.type 'Muon' with zero_optimization.offload_optimizer device 'nvme' is not implemented" \
+        in ours["refused"]
 
 
 def test_muon_equals_deepspeed_at_stages_1_to_3(ours):
@@ -363,3 +423,8 @@ def test_muon_equals_deepspeed_at_stages_1_to_3(ours):
         torch.testing.assert_close(torch.tensor(ours[f"clip{stage}"]), torch.tensor(ds[f"clip{stage}"]), rtol=0,
                                    atol=TOL)
         assert max(abs(a - b) for a, b in zip(ours[f"clip{stage}"], ours[stage])) > 0.1
+    for stage in OFFLOADED:  # ZeRO-Offload: DeepSpeed steps its MuonWithAuxAdam on the host masters
+        torch.testing.assert_close(torch.tensor(ours[f"offload{stage}"]), torch.tensor(ds[f"offload{stage}"]),
+                                   rtol=0, atol=TOL)
+        torch.testing.assert_close(torch.tensor(ours[f"offload_norms{stage}"]),
+                                   torch.tensor(ds[f"offload_norms{stage}"]), rtol=1e-5, atol=0)

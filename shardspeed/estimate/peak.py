@@ -42,7 +42,7 @@ from ..utils.direct_io import aligned_size
 from ..zero.gather_order import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
-from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, plan_for, state_bytes
+from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, plan_for, state_bytes, steps_in_tiles
 from .states import estimate_model_state_memory
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PeakEstimate", "estimate_peak", "paper_table"]
@@ -283,16 +283,19 @@ def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
         out["grads"] = z.psi / z.n_dp * z.g_b
     if pr.compute != pr.master or pr.accumulate != pr.master:
         out["grad_fp32"] = max(z.units) / plan.sharding.unit_world * 4
+    if plan.placement.optimizer == "host" and not steps_in_tiles(plan.optimizer):
+        # the generic host step (Muon, Lion, ...): every gradient shard copied to the host masters' dtype at once
+        out["grads_copy_host"] = z.shard * pr.master.itemsize
     return out
 
 
 def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms]) -> None:
-    """Adds ``offload_buffers_host`` to ``held`` and every phase: with optimizer states on the host, the
-    copier's two fp32 gradient slots (resident once the first step used them); in files, the streaming pool
-    (``buffer_count`` × 3 tiles, rounded up to 4 KiB each) and the copier's slots from the start, and in the step two more fp32 tiles
-    in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)."""
+    """Adds ``offload_buffers_host`` to ``held`` and every phase: with optimizer states on the host and the
+    tiled (Adam) step, the copier's two fp32 gradient slots (resident once the first step used them); in files,
+    the streaming pool (``buffer_count`` × 3 tiles, rounded up to 4 KiB each) and the copier's slots from the
+    start, and in the step two more fp32 tiles in flight (measured on bench_scale: +0.36 GiB at 5e7-element tiles from step 2 on)."""
     where = plan.placement
-    if where.optimizer == "host":
+    if where.optimizer == "host" and steps_in_tiles(plan.optimizer):
         slots = _copier_slots(z.units, plan.sharding.unit_world, float(where.tile_elems))
         for terms in (held, *phases.values()):
             terms["offload_buffers_host"] = slots

@@ -75,6 +75,15 @@ def state_bytes(step: OptimizerPlan, muon_share: Optional[float] = None) -> floa
     return OPTIMIZER_STATE_BYTES.get(name, 8)
 
 
+#: the optimizers the offloaded step runs tile by tile (``offload/master.py``); others take its generic path
+TILED_OPTIMIZERS = frozenset({"adam", "adamw", "fusedadam", "cpuadam"})
+
+
+def steps_in_tiles(step: OptimizerPlan) -> bool:
+    """Whether an offloaded step runs tile by tile through the copier (Adam/AdamW), not whole on the host."""
+    return (step.optimizer.type.lower() if step.optimizer is not None else "adamw") in TILED_OPTIMIZERS
+
+
 def optimizer_state_bytes(config: Any, muon_share: Optional[float] = None) -> float:
     """fp32 optimizer-state bytes per element of the config's optimizer (AdamW's 8 when it names none)."""
     return state_bytes(optimizer_of(config), muon_share)

@@ -167,7 +167,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 self._adam_group(group)
         for p, group in stepped:
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(done[id(p)].reshape(p.shape), alpha=-group["lr"])
+            p.add_(done[id(p)].reshape(p.shape).to(p.device), alpha=-group["lr"])  # host masters: from the device
         return loss
 
     def _clip_updates(self, done: Dict[int, torch.Tensor], clip: float, router: MatrixRouter) -> None:

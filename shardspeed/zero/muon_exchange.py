@@ -164,7 +164,8 @@ class MatrixExchange:
         flat = [torch.cat(s) if s else like.new_empty(0) for s in send]
         out = like.new_empty(sum(recv_sizes))
         assert self.comm is not None
-        self.comm.all_to_all_single(out, torch.cat(flat), output_split_sizes=recv_sizes,
+        # pieces of host masters (offload_optimizer cpu) travel through the device the exchange runs on
+        self.comm.all_to_all_single(out, torch.cat(flat).to(like.device), output_split_sizes=recv_sizes,
                                     input_split_sizes=[t.numel() for t in flat])
         return list(out.split(recv_sizes))
 
