@@ -145,11 +145,12 @@ def _load_offloaded(view: EngineView, meta: CheckpointMetadata, index: EntryInde
             read_range(reader, index, op.name, WEIGHT, op.start, op.end, out=st.master[a:b], sl=view.spec(op.name))
             if not with_optimizer:
                 continue
-            for sk in ("exp_avg", "exp_avg_sq"):
-                dst = getattr(st, sk)[a:b]
-                if index.has(op.name, sk):
+            stored = {slot: saved for saved, slot in view.tiled_master().saved_states(op.segment)}
+            for slot in ("exp_avg", "exp_avg_sq"):
+                dst, sk = getattr(st, slot)[a:b], stored.get(slot)
+                if sk is not None and index.has(op.name, sk):
                     read_range(reader, index, op.name, sk, op.start, op.end, out=dst, sl=view.spec(op.name))
-                else:  # saved before the first step: no moments yet
+                else:  # saved before the first step (no moments yet), or a slot Muon leaves unused
                     dst.zero_()
 
     view.tiled_master().load_tiles(fill)

@@ -102,7 +102,7 @@ def _tp(view: EngineView, name: str) -> Optional[List[int]]:
 
 def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[torch.Tensor, LazyTensor]]],
                      entries: List[Entry]) -> None:
-    """Masters and Adam moments from the offload store, one entry per (piece ∩ tile), in the same format as
+    """Masters and optimizer states from the offload store, one entry per (piece ∩ tile), in the same format as
     ``optimizer.state`` gives (so either kind of engine loads it). Lazy: with NVMe each range is read from
     the files only when the writer reaches it, so memory holds one tile-sized range at a time."""
     steps = view.optimizer_steps
@@ -121,13 +121,17 @@ def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[t
         entries.append(Entry(op.name, WEIGHT, op.start, op.end, file, key, tp=tp))
         if steps == 0:
             continue  # as torch's Adam before its first step: no state yet
-        for sk in ("exp_avg", "exp_avg_sq"):
-            skey = f"o/{sk}/{op.name}/{op.start}"
-            items.append((skey, lazy(sk)))
-            entries.append(Entry(op.name, sk, op.start, op.end, file, skey, elementwise=True, tp=tp))
-        skey = f"o/step/{op.name}/{op.start}"
-        items.append((skey, torch.tensor(float(steps), dtype=torch.float32)))  # torch Adam's 0-dim step
-        entries.append(Entry(op.name, "step", op.start, op.end, file, skey, elementwise=False, tp=tp))
+        for saved, stored in master.saved_states(op.segment):
+            skey = f"o/{saved}/{op.name}/{op.start}"
+            items.append((skey, lazy(stored)))
+            entries.append(Entry(op.name, saved, op.start, op.end, file, skey, elementwise=True, tp=tp))
+        step = master.saved_step(op.segment)  # as optimizer.state holds it: torch Adam's 0-dim tensor, a count
+        if torch.is_tensor(step):
+            skey = f"o/step/{op.name}/{op.start}"
+            items.append((skey, step))
+            entries.append(Entry(op.name, "step", op.start, op.end, file, skey, elementwise=False, tp=tp))
+        elif step is not None:
+            entries.append(Entry(op.name, "step", op.start, op.end, "", "", elementwise=False, value=step, tp=tp))
 
 
 def _tensor_table(view: EngineView) -> Dict[str, TensorInfo]:

@@ -162,7 +162,7 @@ class ZeroConfig(ConfigModel):
     override_module_apply: bool = field(True, "DeepSpeed: stage 3 patches nn.Module.apply.", ignored=True)
     log_trace_cache_warnings: bool = field(False, "DeepSpeed: stage 3 trace cache warnings.", ignored=True)
     enable_sanity_checks: bool = field(False, "DeepSpeed: internal sanity checks.", ignored=True)
-    save_muon_momentum_buffer_in_memory: bool = field(False, "DeepSpeed: Muon with NVMe offload.", ignored=True)
+    save_muon_momentum_buffer_in_memory: bool = field(False, "DeepSpeed: Muon with NVMe offload keeps its momentum in memory (shardspeed keeps it in the state files).", ignored=True)
     leaf_module: Optional[Dict[str, Any]] = field(None, "DeepSpeed: modules treated as stage-3 leaf modules.",
                                                   ignored=True)
 

@@ -42,7 +42,14 @@ from ..utils.direct_io import aligned_size
 from ..zero.gather_order import PREFETCH_UNITS
 from .activations import ActivationProfile, formula_activations
 from .model import ModelSpec
-from .planning import OPTIMIZER_STATE_BYTES, optimizer_state_bytes, plan_for, state_bytes, steps_in_tiles
+from .planning import (
+    OPTIMIZER_STATE_BYTES,
+    optimizer_name,
+    optimizer_state_bytes,
+    plan_for,
+    state_bytes,
+    steps_in_tiles,
+)
 from .states import estimate_model_state_memory
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PeakEstimate", "estimate_peak", "paper_table"]
@@ -215,8 +222,8 @@ def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
         held["master"], held["optimizer"] = master, states
     elif where.optimizer == "host":
         held["master_host"], held["optimizer_host"] = master, states
-    else:
-        nvme += z.shard * (4 + z.o_b)
+    else:  # the files keep Adam's two state slots for every element (a Muon tile uses one)
+        nvme += z.shard * (4 + OPTIMIZER_STATE_BYTES["adamw"])
     if not sh.reduce_every_micro_step:
         held["grads"] = z.psi * z.g_b
     return held, nvme
@@ -286,6 +293,10 @@ def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
     if plan.placement.optimizer == "host" and not steps_in_tiles(plan.optimizer):
         # the generic host step (Muon, Lion, ...): every gradient shard copied to the host masters' dtype at once
         out["grads_copy_host"] = z.shard * pr.master.itemsize
+    elif plan.placement.optimizer == "file" and optimizer_name(plan.optimizer) == "muon":
+        # Muon from the files (offload/muon_step.py): the Nesterov blends of its elements kept between the
+        # passes, 4 bytes each (its share of the elements: what its state bytes lack of AdamW's 8, over 4)
+        out["muon_blends_host"] = z.shard * (OPTIMIZER_STATE_BYTES["adamw"] - z.o_b)
     return out
 
 

@@ -68,7 +68,7 @@ def state_bytes(step: OptimizerPlan, muon_share: Optional[float] = None) -> floa
     """fp32 optimizer-state bytes per element of the plan's optimizer (AdamW's 8 when it names none). Muon: 4
     (one momentum, no second moment) on the share ``muon_share`` of the elements it steps, its AdamW's 8 on
     the rest (unknown share: all 8)."""
-    name = step.optimizer.type.lower() if step.optimizer is not None else "adamw"
+    name = optimizer_name(step)
     if name == "muon":
         share = muon_share or 0.0
         return OPTIMIZER_STATE_BYTES["muon"] * share + OPTIMIZER_STATE_BYTES["adamw"] * (1.0 - share)
@@ -79,9 +79,14 @@ def state_bytes(step: OptimizerPlan, muon_share: Optional[float] = None) -> floa
 TILED_OPTIMIZERS = frozenset({"adam", "adamw", "fusedadam", "cpuadam"})
 
 
+def optimizer_name(step: OptimizerPlan) -> str:
+    """The plan's optimizer type, lower case (AdamW when it names none)."""
+    return step.optimizer.type.lower() if step.optimizer is not None else "adamw"
+
+
 def steps_in_tiles(step: OptimizerPlan) -> bool:
     """Whether an offloaded step runs tile by tile through the copier (Adam/AdamW), not whole on the host."""
-    return (step.optimizer.type.lower() if step.optimizer is not None else "adamw") in TILED_OPTIMIZERS
+    return optimizer_name(step) in TILED_OPTIMIZERS
 
 
 def optimizer_state_bytes(config: Any, muon_share: Optional[float] = None) -> float:

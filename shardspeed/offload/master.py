@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..comm.collectives import Collectives
 from ..errors import ConfigError
+from ..optim.muon import MuonWithAuxAdam
 from ..zero.layout import Piece
 from ..zero.master import MasterWeights, StepResult, device_master
 from ..zero.root import ZeroRoot
 from ..zero.unit import FlatParamUnit
 from .cpu_adam import adam_step, hyper_of, is_adam_family, step_pool
+from .muon_step import MuonTiles, step_muon_tiles
 from .store import MemoryStateStore, NvmeStateStore, TileState
 from .tiles import Tile, plan_tiles, split_by_ratio
 from .transfer import HostCopier
@@ -113,9 +115,12 @@ class OffloadedMasterWeights(MasterWeights):
                          gather_after_step=gather_after_step, check_overflow=check_overflow,
                          make_master=make_master, master_dtype=master_dtype)
         nvme = plan.device == "nvme"
-        self.tiled = is_adam_family(self.optimizer)
+        muon = isinstance(self.optimizer, MuonWithAuxAdam)
+        #: Muon's two-pass step over the stores (:mod:`.muon_step`; with NVMe), else None
+        self.muon_tiles: Optional[MuonTiles] = None
+        self.tiled = is_adam_family(self.optimizer) or (muon and nvme)
         if not self.tiled and nvme:
-            raise ConfigError(f"offload_optimizer device 'nvme' supports Adam and AdamW (without amsgrad); the "
+            raise ConfigError(f"offload_optimizer device 'nvme' supports Adam, AdamW (without amsgrad) and Muon; the "
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")
         self.host_tiles: List[Tile] = []
         self.device_tiles: List[Tile] = []
@@ -154,11 +159,16 @@ class OffloadedMasterWeights(MasterWeights):
                                  plan.pin_memory)
         self._host_step = torch.zeros((), dtype=torch.float32)
         self._device_step = torch.zeros((), dtype=torch.float32, device=dev)
+        if muon:
+            self.muon_tiles = MuonTiles([(self.device_store, self.device_tiles), (self.host_store, self.host_tiles)],
+                                        self.units, self.trainable_pieces, self.piece_tensors)
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, loss_scale: float, clip: float) -> StepResult:
         if not self.tiled:
             return super().step(loss_scale, clip)
+        if self.muon_tiles is not None:
+            return self._step_muon(loss_scale, clip)
         grads = [self.reducer.grad_shard(i) for i in range(len(self.units))]
         norm, coef = self.grad_coefficient(grads, loss_scale, clip)  # on the device, from the chunks as they are
         if coef is None:
@@ -169,6 +179,24 @@ class OffloadedMasterWeights(MasterWeights):
         hyper = [hyper_of(self.optimizer, g) for g in self.optimizer.param_groups]
         self._step_device_tiles(grads, coef, hyper)
         self._step_host_tiles(grads, coef, hyper)
+        self._gather_units()
+        return StepResult(False, norm)
+
+    def _step_muon(self, loss_scale: float, clip: float) -> StepResult:
+        """Muon with its state in the stores (:mod:`.muon_step`): DeepSpeed's norm over the updates, clipped
+        there; the gradient shards are unscaled in place first."""
+        assert self.muon_tiles is not None and isinstance(self.optimizer, MuonWithAuxAdam)
+        grads = [self.reducer.grad_shard(i) for i in range(len(self.units))]
+        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0)
+        if coef is None:
+            return StepResult(True, norm)
+        self.step_count += 1
+        self._host_step.fill_(self.step_count)
+        if coef != 1.0:
+            for g in grads:
+                if g is not None:
+                    g.mul_(coef)
+        norm = step_muon_tiles(self.muon_tiles, self.optimizer, grads, clip, self._host_step)
         self._gather_units()
         return StepResult(False, norm)
 
@@ -263,6 +291,20 @@ class OffloadedMasterWeights(MasterWeights):
                     if lo < hi:
                         out.append(StateSegment(t, on_host, pc, lo, hi))
         return out
+
+    def saved_states(self, seg: StateSegment) -> Tuple[Tuple[str, str], ...]:
+        """(name in a checkpoint, name in the store) of a segment's optimizer states: Adam's two moments, or a
+        Muon piece's momentum (kept in the store's first slot), named as ``optimizer.state`` names them."""
+        if self.muon_tiles is not None and self.optimizer.param_groups[seg.tile.group]["use_muon"]:
+            return (("momentum_buffer", "exp_avg"),)
+        return (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+    def saved_step(self, seg: StateSegment) -> Optional[Union[torch.Tensor, int]]:
+        """A segment's step count as ``optimizer.state`` holds it: torch Adam's 0-dim float tensor, the count
+        itself for Muon's auxiliary AdamW, none for a Muon piece."""
+        if self.muon_tiles is None:
+            return torch.tensor(float(self.step_count), dtype=torch.float32)
+        return None if self.optimizer.param_groups[seg.tile.group]["use_muon"] else int(self.step_count)
 
     def read_segment(self, seg: StateSegment, name: str) -> torch.Tensor:
         """One state (``master``, ``exp_avg``, ``exp_avg_sq``) over a segment: a view of memory, or a copy

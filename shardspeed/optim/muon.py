@@ -175,13 +175,36 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         tensors = dict(done)
         tensors.update((id(p), p.grad) for g in self.param_groups if not g["use_muon"] for p in g["params"]
                        if p.grad is not None)
-        self.update_norm = router.update_norm(tensors)
+        self.clip_together(tensors, clip)
+
+    def clip_together(self, tensors: Dict[int, torch.Tensor], clip: float) -> None:
+        """DeepSpeed's ZeRO 1-3 clipping over ``tensors`` (``{id(optimizer tensor): orthogonalised update or
+        AdamW gradient}``, this rank's): their global norm into :attr:`update_norm`, and, when ``clip`` > 0,
+        every tensor scaled in place by its clip factor. Needs a bound router (a sync point)."""
+        if self.router is None:
+            raise ConfigError("MuonWithAuxAdam: clipping over the updates needs a bound router")
+        self.update_norm = self.router.update_norm(tensors)
         if clip <= 0:
             return
-        coef = router.clip_coefficient(self.update_norm, clip)
+        coef = self.router.clip_coefficient(self.update_norm, clip)
         if coef < 1.0:
             for t in tensors.values():
                 t.mul_(coef)
+
+    @staticmethod
+    def nesterov_update(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: float) -> torch.Tensor:
+        """Muon's elementwise half on any piece: the momentum takes ``grad`` (in place) and the Nesterov blend
+        of the two is returned (Newton-Schulz then runs on the whole matrix of such blends)."""
+        momentum_buffer.lerp_(grad, 1 - momentum)
+        return grad.lerp(momentum_buffer, momentum)
+
+    def orthogonalized(self, updates: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """``{id(optimizer tensor): Nesterov blend}`` of this rank's Muon pieces, orthogonalised through the
+        bound router (each whole matrix once in the job): this rank's pieces of the results."""
+        if self.router is None:
+            raise ConfigError("MuonWithAuxAdam: pieces of matrices need a bound router")
+        methods = [g.get("ns_method", "gram") for g in self.param_groups]
+        return self.router.orthogonalize(updates, lambda gi, shape, u: orthogonalize(u, shape, methods[gi]))
 
     def _adam_group(self, group: Dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
@@ -216,13 +239,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st["momentum_buffer"] = torch.zeros_like(p)
-                buf = st["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                updates[id(p)] = p.grad.lerp(buf, group["momentum"])
+                updates[id(p)] = self.nesterov_update(p.grad, st["momentum_buffer"], group["momentum"])
                 stepped.append((p, group))
-        methods = [g.get("ns_method", "gram") for g in self.param_groups]
         if self.router is not None:
-            done = self.router.orthogonalize(updates, lambda gi, shape, u: orthogonalize(u, shape, methods[gi]))
+            done = self.orthogonalized(updates)
         else:
             for p, _ in stepped:
                 if p.dim() < 2:

@@ -228,10 +228,6 @@ def placement_plan(cfg: ShardspeedConfig) -> PlacementPlan:
     z = cfg.zero_optimization
     where = {"none": "device", "cpu": "host", "nvme": "file"}
     op, oo = z.offload_param, z.offload_optimizer
-    muon = cfg.optimizer is not None and str(cfg.optimizer.type).lower() == "muon"
-    if muon and oo is not None and oo.device == "nvme":
-        raise ConfigError("optimizer.type 'Muon' with zero_optimization.offload_optimizer device 'nvme' is not "
-                          "implemented in shardspeed (its NVMe files hold Adam's states): use device 'cpu'")
     return PlacementPlan(
         params=where[op.device] if op is not None else "device",
         optimizer=where[oo.device] if oo is not None else "device",
