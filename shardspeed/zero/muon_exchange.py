@@ -161,11 +161,11 @@ class MatrixExchange:
 
     def _exchange(self, send: List[List[torch.Tensor]], recv_sizes: List[int], like: torch.Tensor) -> List[torch.Tensor]:
         """``send[r]``: the tensors for rank ``r``; returns what each rank sent here, split by ``recv_sizes``."""
-        flat = [torch.cat(s) if s else like.new_empty(0) for s in send]
+        # pieces of host masters (an offloaded optimizer) travel through the device the exchange runs on
+        flat = [torch.cat(s).to(like.device) if s else like.new_empty(0) for s in send]
         out = like.new_empty(sum(recv_sizes))
         assert self.comm is not None
-        # pieces of host masters (offload_optimizer cpu) travel through the device the exchange runs on
-        self.comm.all_to_all_single(out, torch.cat(flat).to(like.device), output_split_sizes=recv_sizes,
+        self.comm.all_to_all_single(out, torch.cat(flat), output_split_sizes=recv_sizes,
                                     input_split_sizes=[t.numel() for t in flat])
         return list(out.split(recv_sizes))
 
