@@ -1,6 +1,6 @@
 """Issue 40: Muon against AdamW at ZeRO 1-3: step time (paired), bytes per step against theory, Newton-Schulz time.
 
-    python benchmarks/bench_muon.py [--preset small] [--stages 1,2,3] [--steps 6] [--pairs 3] [--tp 1]
+    python benchmarks/bench_muon.py [--preset small] [--stages 1,2,3] [--steps 6] [--pairs 3] [--tp 1] [--offload cpu]
 
 World 2, gloo, fp32, the GPT of ``shardspeed.models`` (``small``: 4 x 256, 3.3M parameters; DeepSpeed's routing
 puts the block matrices and the position table ``wpe`` on Muon, ``wte``/``lm_head``, norms and biases on AdamW).
@@ -38,13 +38,18 @@ OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-3}},
               "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3}}}
 
 
-def _engine(preset: str, stage: int, opt: str, tp: int):
+def _engine(preset: str, stage: int, opt: str, tp: int, offload: str = "none"):
+    import tempfile
+
     import shardspeed
     from shardspeed.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(preset))
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+    zero: Dict[str, Any] = {"stage": stage}
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": tempfile.gettempdir()}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": zero,
            "optimizer": OPTIMIZERS[opt]}
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
@@ -82,7 +87,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         times: Dict[str, List[float]] = {"adamw": [], "muon": []}
         for _ in range(args.pairs):
             for opt in ("adamw", "muon"):
-                engine = _engine(args.preset, stage, opt, args.tp)
+                engine = _engine(args.preset, stage, opt, args.tp, args.offload)
                 times[opt] += _run(engine, batches, args.steps)
                 msg = sum(s["msg_bytes"] for s in engine.comms_logger.summary().values()) / args.steps
                 rows[f"{opt}{stage}"] = {"bytes_per_step": msg, "step_s": statistics.median(times[opt])}
@@ -117,6 +122,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (1 or 2; world 2)")
+    ap.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
+                    help="offload_optimizer device for both optimizers (Muon: the host step, or two passes over "
+                         "the NVMe tiles)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,10 +139,10 @@ def main() -> None:
         p.join()
     print(_table(per_rank, args.stages))
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    name = "muon.json" if args.tp == 1 else f"muon_tp{args.tp}.json"
-    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
-        json.dump({"preset": args.preset, "steps": args.steps, "pairs": args.pairs, "tp": args.tp, "ranks": per_rank},
-                  f, indent=1)
+    name = "muon" + (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_{args.offload}" if args.offload != "none" else "")
+    with open(os.path.join(ROOT, "benchmarks", "results", name + ".json"), "w") as f:
+        json.dump({"preset": args.preset, "steps": args.steps, "pairs": args.pairs, "tp": args.tp,
+                   "offload": args.offload, "ranks": per_rank}, f, indent=1)
 
 
 if __name__ == "__main__":
