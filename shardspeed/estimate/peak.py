@@ -11,7 +11,8 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   accumulator and, during backward, full-size unit buckets: at most ``sharding.buckets_alive`` (stage 2:
   two reductions in flight and one filling), or one largest unit's worth (stage 3). Units are
   ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
-- master weights: a separate fp32 (bf16 with ``bf16_master_weights_and_grads``, states then bf16 too) shard
+- master weights: a separate fp32 (bf16 with ``bf16_master_weights_and_grads``; states bf16 with
+  ``bf16_optimizer_states``, else fp32) shard
   unless the compute dtype is the master's and nothing is offloaded
   (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
   the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of
@@ -208,15 +209,15 @@ def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
     else:
         nvme += z.psi / z.n_dp * z.t_b
     separate_master = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
-    m_b = pr.master.itemsize  # 4, or 2 with bf16 master weights (whose optimizer states are bf16 too)
+    m_b = pr.master.itemsize  # 4, or 2 with bf16 master weights
     master = z.shard * m_b if separate_master else 0.0
-    states = z.shard * z.o_b * m_b / 4
+    states = z.shard * z.o_b * pr.states.itemsize / 4  # fp32, or bf16 with bf16_optimizer_states
     if where.optimizer == "device":
         held["master"], held["optimizer"] = master, states
     elif where.optimizer == "host":
         held["master_host"], held["optimizer_host"] = master, states
     else:
-        nvme += z.shard * (4 + z.o_b)
+        nvme += master + states  # the state files: master, m, v in their dtypes
     if not sh.reduce_every_micro_step:
         held["grads"] = z.psi * z.g_b
     return held, nvme

@@ -88,7 +88,10 @@ class OffloadedMasterWeights(MasterWeights):
         check_overflow: bool,
         plan: OffloadPlan,
         master_dtype: torch.dtype = torch.float32,
+        state_dtype: Optional[torch.dtype] = None,
     ):
+        """``state_dtype``: Adam's moments (None: the master's dtype; fp32 beside bf16 masters, as
+        DeepSpeedCPUAdam keeps them without ``bf16_optimizer_states``)."""
         if plan.device not in ("cpu", "nvme"):
             raise ConfigError(f"offload device must be 'cpu' or 'nvme', got {plan.device!r}")
         self.plan = plan
@@ -113,7 +116,13 @@ class OffloadedMasterWeights(MasterWeights):
                          gather_after_step=gather_after_step, check_overflow=check_overflow,
                          make_master=make_master, master_dtype=master_dtype)
         nvme = plan.device == "nvme"
+        self.state_dtype = state_dtype or master_dtype
         self.tiled = is_adam_family(self.optimizer)
+        if not self.tiled and self.state_dtype != master_dtype:
+            raise ConfigError(f"{master_dtype} master weights with {self.state_dtype} optimizer states offloaded "
+                              f"need Adam or AdamW (DeepSpeed's DeepSpeedCPUAdam); the optimizer is "
+                              f"{type(self.optimizer).__name__}: use an Adam optimizer or set "
+                              f"bf16.bf16_optimizer_states true")
         if not self.tiled and nvme:
             raise ConfigError(f"offload_optimizer device 'nvme' supports Adam and AdamW (without amsgrad); the "
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")
@@ -136,7 +145,7 @@ class OffloadedMasterWeights(MasterWeights):
             rank = self.units[0].rank if self.units else 0
             assert plan.nvme_path is not None  # the config requires it for device nvme
             self.host_store = NvmeStateStore(plan.nvme_path, self.host_tiles, plan.buffer_count, plan.pin_memory,
-                                             rank)
+                                             rank, dtypes=(master_dtype, self.state_dtype, self.state_dtype))
             shard, shard_unit = None, None  # read each unit's shard once (offload_param nvme: from its file)
             for t in self.host_tiles:
                 if t.unit != shard_unit:
@@ -145,9 +154,9 @@ class OffloadedMasterWeights(MasterWeights):
                 self.host_store.initialize(t, shard[t.lo : t.hi])
         else:
             self.host_store = MemoryStateStore({u: m for u in self.host_units
-                                                if (m := self.masters[u]) is not None})
+                                                if (m := self.masters[u]) is not None}, state_dtype=self.state_dtype)
         self.device_store = MemoryStateStore({u: m for u in self.device_units
-                                              if (m := self.masters[u]) is not None})
+                                              if (m := self.masters[u]) is not None}, state_dtype=self.state_dtype)
         dev = self.units[0].device if self.units else torch.device("cpu")
         max_tile = max((t.numel for t in self.host_tiles), default=0)
         self.copier = HostCopier(dev, self.units[0].dtype if self.units else torch.float32, max_tile,
