@@ -201,3 +201,31 @@ def test_cpu_adam_is_a_drop_in_optimizer():
     assert torch.equal(a, b)
     with pytest.raises(ConfigError):
         CPUAdam([a], amsgrad=True)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_bf16_master_with_fp32_moments_steps_in_fp32_and_rounds_once(monkeypatch, decoupled):
+    """A bf16 master tile with fp32 moments (DeepSpeedCPUAdam's default beside bf16 masters): each step reads the
+    master and gradient up to fp32, steps there and rounds the master once; in chunks (here 1000 elements, so a
+    tile of 2500 takes three) exactly as in one piece, and the moments stay fp32."""
+    from shardspeed.offload import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "MIXED_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(11)
+    n = 2500
+    p = torch.randn(n, generator=gen).bfloat16()
+    start = p.clone()
+    m, v = torch.zeros(n), torch.zeros(n)
+    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
+    h = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for k in range(1, 4):
+        g = torch.randn(n, generator=gen).bfloat16()
+        adam_step(p, g, m, v, torch.tensor(float(k)), h)
+        p32 = ref_p.float()
+        fused([p32], [g.float()], [ref_m], [ref_v], [], [torch.tensor(float(k))], lr=h.lr, beta1=h.beta1,
+              beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+        ref_p = p32.bfloat16()
+        assert p.dtype == torch.bfloat16 and m.dtype == v.dtype == torch.float32
+        assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
+    assert (p != start).float().mean() > 0.5  # three steps of lr 1e-2 move most bf16 elements

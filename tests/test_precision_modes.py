@@ -14,15 +14,17 @@ import torch
 
 import shardspeed
 from shardspeed.errors import ConfigError
-from shardspeed.estimate.states import estimate_model_state_memory
+from shardspeed.estimate.states import estimate_model_state_memory, model_states
 from shardspeed.plan import decide
 from shardspeed.precision.casting import cast_module, keep_in_fp32_pattern
 from tests.distributed import free_port, run_pair_workers
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precision_ds_worker.py")
-CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters", "bf16_masters_off") for stage in (1, 2, 3)]
-# world 4: every case; the cost is the 8 processes starting (~75 CPU-seconds for 6 cases or for 2), not the cases
-CASES4 = CASES
+# bf16_masters_f32_off: bf16 masters offloaded with fp32 moments (DeepSpeedCPUAdam's default), 20 steps, world 2 only
+CASES = [f"{mode}_z{stage}" for mode in ("autocast", "bf16_masters", "bf16_masters_off", "bf16_masters_f32_off")
+         for stage in (1, 2, 3)]
+# world 4: the bf16-state cases; the cost is the 8 processes starting (~75 CPU-seconds for 6 cases or for 2)
+CASES4 = [c for c in CASES if "_f32_" not in c]
 
 
 
@@ -56,7 +58,7 @@ def runs4(tmp_path_factory):
 
 
 def _assert_matches_deepspeed(real: dict, ours: dict, case: str) -> None:
-    assert len(ours["losses"]) == len(real["losses"]) == 12
+    assert len(ours["losses"]) == len(real["losses"]) == (20 if "_f32_" in case else 12)
     diffs = [abs(a - b) for a, b in zip(ours["losses"], real["losses"])]
     assert max(diffs) < 1e-3, (case, diffs)  # bf16 rounding; observed ~2e-4
     assert ours["losses"][-3:] != ours["losses"][:3]  # it trained
@@ -95,6 +97,13 @@ def test_bf16_optimizer_states_are_half_the_bytes(runs):
         assert off["state_dtypes"] == ["torch.bfloat16"] and off["state_bytes"] == bf16["state_bytes"]
         est = estimate_model_state_memory(5896, 2, stage, "bf16", offload_optimizer=True, bf16_masters=True)
         assert est.optimizer_device == 0 and est.optimizer_host == 5896 // 2 * (2 * 2 + 2)  # bf16 master + m, v
+        # offloaded without bf16_optimizer_states: bf16 host masters, fp32 moments (the fp32 run's bytes)
+        f32 = ours[f"bf16_masters_f32_off_z{stage}"]
+        assert f32["state_dtypes"] == ["torch.float32"] and f32["state_bytes"] == fp32["state_bytes"]
+        est = estimate_model_state_memory(5896, 2, stage, "bf16", offload_optimizer=True, bf16_masters=True,
+                                          bf16_states=False)
+        assert est.optimizer_device == 0 and est.optimizer_host == 5896 // 2 * (2 + 2 * 4)  # bf16 master + m, v
+        assert est.params_device == (5896 // 2 if stage == 3 else 5896) * 2
     assert ours["autocast_z1"]["comm_dtype"] == ["torch.bfloat16", "None"]
     # the Linear layers' gradients go on the wire in bf16; the LayerNorm's in fp32 (a unit of its own at
     # stages 1-2; at stage 3 the units are modules, so each Linear reduces in bf16 and the LayerNorm in fp32)
@@ -110,24 +119,18 @@ def _cfg(**extra) -> dict:
 
 @pytest.mark.parametrize("extra, fragment", [
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-     "bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states"),
+     "bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states and without "
+     "zero_optimization.offload_optimizer: DeepSpeed refuses it too"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
      "bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
       "zero_optimization": {"stage": 0}}, "bf16.bf16_master_weights_and_grads is only supported with ZeRO stage 1"),
-    # DeepSpeed 0.19.8 runs these with DeepSpeedCPUAdam (fp32 moments without bf16_optimizer_states; checked on
-    # its CPU accelerator at stages 2 and 3); shardspeed runs bf16 masters offloaded to the CPU with bf16 moments only
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
-      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-     "bf16.bf16_master_weights_and_grads with offload_optimizer and without bf16.bf16_optimizer_states (DeepSpeed's "
-     "bf16 host masters with fp32 moments) is not implemented in shardspeed"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
-     "bf16.bf16_master_weights_and_grads with offload_optimizer device 'nvme' is not implemented in shardspeed"),
+    # DeepSpeed 0.19.8 accepts this one (DeepSpeedCPUAdam with fp16 masters) but runs no fp16 on its CPU accelerator
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "fp16.fp16_master_weights_and_grads with offload_optimizer (DeepSpeed's fp16 masters on the host, stepped by "
-     "DeepSpeedCPUAdam) is not implemented in shardspeed"),
+     "DeepSpeedCPUAdam) is not implemented in shardspeed: DeepSpeed runs fp16 only on an accelerator (\"Type fp16 "
+     "is not supported on your device.\" on its CPU one)"),
     # DeepSpeed refuses this one too (stage_1_and_2.py / stage3.py: _enforce_cpu_offload)
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
      "fp16.fp16_master_weights_and_grads without zero_optimization.offload_optimizer: DeepSpeed refuses it too"),
@@ -146,7 +149,21 @@ def test_refused_as_deepspeed_refuses(extra, fragment):
 def test_plan_of_each_mode():
     p = decide(_cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
                     data_types={"param_dtype": "bfloat16"}), 1).precision
-    assert (p.compute, p.master, p.autocast) == (torch.bfloat16, torch.bfloat16, None)
+    assert (p.compute, p.master, p.states, p.autocast) == (torch.bfloat16, torch.bfloat16, torch.bfloat16, None)
+    off = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    f = decide(_cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True}, zero_optimization=off), 1).precision
+    assert (f.compute, f.master, f.states) == (torch.bfloat16, torch.bfloat16, torch.float32)  # DeepSpeedCPUAdam's
+    h = decide(_cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True}, zero_optimization=off,
+                    optimizer={"type": "AdamW", "params": {"fp32_optimizer_states": False}}), 1).precision
+    assert (h.master, h.states) == (torch.bfloat16, torch.bfloat16)  # DeepSpeedCPUAdam(fp32_optimizer_states=False)
+    # the estimator prices the NVMe state files in their dtypes: bf16 master + fp32 or bf16 moments
+    for states, per in ((False, 2 + 8), (True, 2 + 4)):
+        nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+        plan = decide(_cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                 "bf16_optimizer_states": states}, zero_optimization=nvme), 2)
+        est = model_states(plan, 5896)
+        assert est.nvme == 5896 // 2 * per and est.optimizer_host == est.optimizer_device == 0
+    assert decide(_cfg(bf16={"enabled": True}), 1).precision.states == torch.float32
     a = decide(_cfg(torch_autocast={"enabled": True, "dtype": "fp16",
                                     "lower_precision_safe_modules": ["torch.nn.Linear"]}), 1).precision
     assert (a.compute, a.master, a.autocast.dtype, a.autocast.safe_modules) == (
@@ -221,18 +238,21 @@ def _states(engine) -> list:
     return [v for st in inner.state.values() for k, v in sorted(st.items()) if k != "step" and v.dim() > 0]
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog, offload):
+@pytest.mark.parametrize("mode", ["device", "offload", "offload_f32"])
+def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tmp_path, caplog, mode):
     """Saved with bf16 masters, loaded by an engine with fp32 masters (and back): the weights and Adam's moments
-    convert, one log line names the conversion, and training goes on; on the device, and offloaded to the CPU
-    (stage 2: masters and moments in the offload store, bf16 with bf16 masters)."""
+    convert, one log line names the conversion, and training goes on; on the device, offloaded to the CPU
+    (stage 2: masters and moments in the offload store, bf16 with bf16 masters), and offloaded without
+    bf16_optimizer_states (bf16 masters, fp32 moments: the moments load unchanged both ways)."""
     one_rank_env(monkeypatch)
-    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}} if offload else {"stage": 1}
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}} if mode != "device" else {"stage": 1}
     base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-    low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    low = dict(base, bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                           "bf16_optimizer_states": mode != "offload_f32"})
     full = dict(base, bf16={"enabled": True})
     gen = torch.Generator().manual_seed(5)
+    moments = torch.float32 if mode == "offload_f32" else torch.bfloat16
 
     def train(engine, steps):
         for _ in range(steps):
@@ -246,11 +266,26 @@ def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tm
         train(a, 3)
         a.save_checkpoint(str(tmp_path), tag="low")
         saved = [t.clone() for t in _states(a)]
-        assert {t.dtype for t in saved} == {torch.bfloat16}
+        if mode == "device":
+            assert {t.dtype for t in saved} == {torch.bfloat16}
+        else:  # per host tile: master, exp_avg, exp_avg_sq
+            assert [t.dtype for t in saved[:3]] == [torch.bfloat16, moments, moments]
+        # a restart in the same mode: every state back bit for bit, in its own dtype
+        c, *_ = shardspeed.initialize(model=_net(), config=low)
+        try:
+            c.load_checkpoint(str(tmp_path), tag="low")
+            assert all(t.dtype == s.dtype and torch.equal(t, s) for t, s in zip(_states(c), saved))
+        finally:
+            c.destroy()
         b, *_ = shardspeed.initialize(model=_net(), config=full)
         with caplog.at_level("INFO", logger="shardspeed"):
             b.load_checkpoint(str(tmp_path), tag="low")
-        assert "checkpoint master weights and optimizer states are bfloat16, this engine's are float32" in caplog.text
+        if mode == "offload_f32":
+            assert ("checkpoint master weights are bfloat16, this engine's are float32: converting them bfloat16 -> "
+                    "float32 as they load (optimizer states: float32, this engine's float32)") in caplog.text
+        else:
+            assert "checkpoint master weights and optimizer states are bfloat16, this engine's are float32" \
+                in caplog.text
         assert [t.dtype for t in _states(b)] == [torch.float32] * len(saved)
         assert all(torch.equal(t, s.float()) for t, s in zip(_states(b), saved))
         for p, q in zip(a.module.parameters(), b.module.parameters()):
@@ -262,7 +297,8 @@ def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tm
         with caplog.at_level("INFO", logger="shardspeed"):
             a.load_checkpoint(str(tmp_path), tag="full")
         assert "are float32, this engine's are bfloat16: converting them float32 -> bfloat16" in caplog.text
-        assert all(torch.equal(t, s.bfloat16()) for t, s in zip(_states(a), moved))
+        assert all(torch.equal(t, s.to(t.dtype)) for t, s in zip(_states(a), moved))
+        assert [t.dtype for t in _states(a)] == [s.dtype for s in saved]
         for p, q in zip(a.module.parameters(), b.module.parameters()):
             assert torch.equal(p, q)  # bf16 parameters: the fp32 masters rounded, as b's own
         train(a, 1)
@@ -270,6 +306,70 @@ def test_bf16_master_checkpoint_loads_into_fp32_masters_and_back(monkeypatch, tm
         a.destroy()
         if b is not None:
             b.destroy()
+
+
+@pytest.mark.parametrize("bf16_states", [True, False])
+def test_bf16_masters_on_nvme_train_as_on_the_cpu(monkeypatch, tmp_path, bf16_states):
+    """bf16 masters offloaded to NVMe (stage 3, small tiles: several per unit): the state files hold a bf16 master
+    and bf16 or fp32 moments (their sizes say so), training is bit-identical to the same mode with device cpu
+    (which matches DeepSpeed's losses: test_losses_states_and_tags_match_deepspeed), and a checkpoint of the
+    NVMe run loads into the CPU run with every state equal."""
+    one_rank_env(monkeypatch)
+    moments = torch.bfloat16 if bf16_states else torch.float32
+
+    def cfg(device):
+        off = {"device": device, "nvme_path": str(tmp_path / "swap")} if device == "nvme" else {"device": device}
+        return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5, "steps_per_print": 1000,
+                "zero_optimization": {"stage": 3, "sub_group_size": 100, "offload_optimizer": off},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": bf16_states}}
+
+    engines, losses = [], {}
+    try:
+        for device in ("cpu", "nvme"):
+            e, *_ = shardspeed.initialize(model=_net(), config=cfg(device))
+            engines.append(e)
+            gen = torch.Generator().manual_seed(7)
+            losses[device] = []
+            for _ in range(6):
+                x = torch.randn(4, 8, generator=gen)
+                loss = (e(x.bfloat16()).float() - torch.cos(x[:, :4])).pow(2).mean()
+                e.backward(loss)
+                e.step()
+                losses[device].append(float(loss.detach()))
+        cpu, nvme = engines
+        assert losses["cpu"] == losses["nvme"] and losses["nvme"][-1] != losses["nvme"][0]
+        for p, q in zip(cpu.module.parameters(), nvme.module.parameters()):
+            assert torch.equal(p, q)
+        store = nvme.master_weights.host_store
+        assert len(store.tiles) > 4 and store.dtypes == (torch.bfloat16, moments, moments)
+        n = sum(t.numel for t in store.tiles)
+        sizes = {f: os.path.getsize(os.path.join(store.dir, f)) for f in os.listdir(store.dir) if f != "owner.lock"}
+        suffix = "bf16" if bf16_states else "f32"
+        assert set(sizes) == {"master.bf16", f"exp_avg.{suffix}", f"exp_avg_sq.{suffix}"}
+        assert n * 2 <= sizes["master.bf16"] <= n * 2 + len(store.tiles) * 4096  # bf16, 4 KiB-aligned per tile
+        assert sizes[f"exp_avg.{suffix}"] >= n * moments.itemsize
+        for a, b in zip(_states(cpu), _states(nvme)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        nvme.save_checkpoint(str(tmp_path / "ckpt"), tag="nvme")
+        before = [t.clone() for t in _states(nvme)]
+        cpu.load_checkpoint(str(tmp_path / "ckpt"), tag="nvme")
+        assert all(torch.equal(a, b) for a, b in zip(_states(cpu), before))
+    finally:
+        for e in engines:
+            e.destroy()
+
+
+def test_fp32_moments_beside_bf16_masters_need_adam(monkeypatch):
+    """Offloaded bf16 masters with fp32 moments are stepped by the Adam kernel only (DeepSpeed: DeepSpeedCPUAdam
+    only); another optimizer is refused with one line naming the key to set."""
+    one_rank_env(monkeypatch)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+    with pytest.raises(ConfigError, match="torch.bfloat16 master weights with torch.float32 optimizer states "
+                                          "offloaded need Adam or AdamW .* the optimizer is SGD"):
+        shardspeed.initialize(model=_net(), config=cfg)
 
 
 def test_torch_autocast_with_a_pipeline_module_is_refused_by_name(monkeypatch):
@@ -294,5 +394,12 @@ def test_engine_getters_of_the_precision_modes(monkeypatch):
         assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16  # CPU's default
         assert engine.bf16_master_weights_and_gradients() and engine.bf16_optimizer_states()
         assert not engine.fp16_master_weights_and_gradients()
+    finally:
+        engine.destroy()
+    cfg = dict(cfg, bf16={"enabled": True, "bf16_master_weights_and_grads": True},
+               zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    engine, *_ = shardspeed.initialize(model=_net(), config=cfg)
+    try:  # offloaded without bf16_optimizer_states: bf16 masters, fp32 moments
+        assert engine.bf16_master_weights_and_gradients() and not engine.bf16_optimizer_states()
     finally:
         engine.destroy()

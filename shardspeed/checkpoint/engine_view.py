@@ -76,6 +76,8 @@ class EngineView:
         self.train_dtype = parts.train_dtype
         #: the dtype of the master weights (bf16 with bf16_master_weights_and_grads, else fp32)
         self.master_dtype: torch.dtype = parts.master.master_dtype
+        #: the dtype of Adam's moments in the offload stores (fp32 beside bf16 masters without bf16_optimizer_states)
+        self.state_dtype: torch.dtype = parts.master.state_dtype
         # the offload stores (offload_optimizer with Adam/AdamW: the tiled path), else None
         self.tiled: Optional[OffloadedMasterWeights] = (
             parts.master if isinstance(parts.master, OffloadedMasterWeights) and parts.master.is_tiled else None)

@@ -46,14 +46,25 @@ def _check_names(view: EngineView, meta: CheckpointMetadata, strict: bool) -> se
     return set(current) & saved
 
 
-def _log_master_conversion(view: EngineView, meta: CheckpointMetadata, present: set) -> None:
-    """One line when the checkpoint's master weights (and so its optimizer states) are in another dtype than
-    this engine's (bf16_master_weights_and_grads on one side only): they are converted as they are read."""
+def _log_master_conversion(view: EngineView, meta: CheckpointMetadata, reader: ShardReader, present: set) -> None:
+    """One line when the checkpoint's master weights are in another dtype than this engine's
+    (bf16_master_weights_and_grads on one side only): they are converted as they are read, and so are the
+    optimizer states where theirs differ (bf16 masters keep fp32 moments when offloaded without
+    bf16_optimizer_states)."""
     now = dtype_name(view.master_dtype)
     saved = sorted({meta.tensors[n].dtype for n in present if meta.tensors[n].kind == "param"} - {now})
-    if saved:
+    if not saved:
+        return
+    e = next((e for e in meta.entries if e.state == "exp_avg" and e.tensor in present and e.file), None)
+    states = dtype_name(reader.dtype_of(e.file, e.key)) if e is not None else "/".join(saved)
+    now_states = dtype_name(view.state_dtype)
+    if states == "/".join(saved) and now_states == now:
         logger.info("checkpoint master weights and optimizer states are %s, this engine's are %s: converting "
                     "them %s -> %s as they load", "/".join(saved), now, "/".join(saved), now)
+    else:
+        logger.info("checkpoint master weights are %s, this engine's are %s: converting them %s -> %s as they "
+                    "load (optimizer states: %s, this engine's %s)", "/".join(saved), now, "/".join(saved), now,
+                    states, now_states)
 
 
 @torch.no_grad()
@@ -344,7 +355,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                                                   checked.present, checked.common)
 
     if view.rank == 0:
-        _log_master_conversion(view, meta, present)
+        _log_master_conversion(view, meta, reader, present)
     err = None
     try:
         _load_weights(view, index, reader, present)

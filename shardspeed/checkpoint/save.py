@@ -114,7 +114,8 @@ def _offloaded_items(view: EngineView, file: str, items: List[Tuple[str, Union[t
         tp = _tp(view, op.name)
 
         def lazy(name: str, seg=op.segment, n=n) -> LazyTensor:
-            return LazyTensor((n,), view.master_dtype, lambda: master.read_segment(seg, name))
+            dtype = view.master_dtype if name == "master" else master.state_dtype  # fp32 moments of bf16 masters
+            return LazyTensor((n,), dtype, lambda: master.read_segment(seg, name))
 
         key = f"w/{op.name}/{op.start}"
         items.append((key, lazy("master")))

@@ -70,10 +70,11 @@ class BF16Config(ConfigModel):
         "global gradient norm is inf/nan, in bf16 and fp32 training alike; fp16 always checks.")
     bf16_master_weights_and_grads: bool = field(
         False, "Keep master weights and gradients in bf16, no fp32 copy (ZeRO 1-3; with bf16_optimizer_states, "
-        "as DeepSpeed requires without offload; with offload_optimizer device cpu the bf16 masters and moments live "
-        "on the host). A bf16 training run's master is then the bf16 shard itself.")
+        "as DeepSpeed requires without offload; with offload_optimizer device cpu the bf16 masters and Adam's "
+        "moments live on the host, the moments fp32 unless bf16_optimizer_states, as DeepSpeedCPUAdam keeps them). "
+        "A bf16 training run's master is then the bf16 shard itself.")
     bf16_optimizer_states: bool = field(False, "Keep optimizer states (Adam's moments) in bf16 (ZeRO 1-3; needs "
-                                        "bf16_master_weights_and_grads).")
+                                        "bf16_master_weights_and_grads; without it they are fp32).")
 
 
 class DataTypesConfig(ConfigModel):

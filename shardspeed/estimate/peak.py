@@ -11,7 +11,8 @@ config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors
   accumulator and, during backward, full-size unit buckets: at most ``sharding.buckets_alive`` (stage 2:
   two reductions in flight and one filling), or one largest unit's worth (stage 3). Units are
   ``sharding.reduce_bucket`` groups of parameters, or the stage-3 units.
-- master weights: a separate fp32 (bf16 with ``bf16_master_weights_and_grads``, states then bf16 too) shard
+- master weights: a separate fp32 (bf16 with ``bf16_master_weights_and_grads``; states bf16 with
+  ``bf16_optimizer_states``, else fp32) shard
   unless the compute dtype is the master's and nothing is offloaded
   (then the parameter shard *is* the master); optimizer states: bytes per element of the optimizer (Adam 8) on
   the shard. Both go where ``placement.optimizer`` says: the host (plus two fp32 gradient tiles of
@@ -215,15 +216,15 @@ def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
     else:
         nvme += z.psi / z.n_dp * z.t_b
     separate_master = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
-    m_b = pr.master.itemsize  # 4, or 2 with bf16 master weights (whose optimizer states are bf16 too)
+    m_b = pr.master.itemsize  # 4, or 2 with bf16 master weights
     master = z.shard * m_b if separate_master else 0.0
-    states = z.shard * z.o_b * m_b / 4
+    states = z.shard * z.o_b * pr.states.itemsize / 4  # fp32, or bf16 with bf16_optimizer_states
     if where.optimizer == "device":
         held["master"], held["optimizer"] = master, states
     elif where.optimizer == "host":
         held["master_host"], held["optimizer_host"] = master, states
-    else:  # the files keep Adam's two state slots for every element (a Muon tile uses one)
-        nvme += z.shard * (4 + OPTIMIZER_STATE_BYTES["adamw"])
+    else:  # the state files: master and two state slots (Adam's moments; a Muon tile uses one), in their dtypes
+        nvme += master + z.shard * OPTIMIZER_STATE_BYTES["adamw"] * pr.states.itemsize / 4
     if not sh.reduce_every_micro_step:
         held["grads"] = z.psi * z.g_b
     return held, nvme

@@ -22,7 +22,8 @@ Adam's moments are bf16, so 2Ψ + 2Ψ + 4Ψ: stage 1 4Ψ + 4Ψ/N, stage 2 2Ψ + 
 stage 0, as in DeepSpeed).
 
 ``offload_optimizer`` moves the optimizer-state shard to host memory (stages 1-3): 12Ψ/N; at fp32 8Ψ/N plus
-a 4Ψ/N master (the parameter shard stays behind, so the master is a copy); with bf16 masters and states 6Ψ/N; ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
+a 4Ψ/N master (the parameter shard stays behind, so the master is a copy); with bf16 masters and states 6Ψ/N;
+with bf16 masters and fp32 moments (DeepSpeedCPUAdam's default) 2Ψ/N + 8Ψ/N = 10Ψ/N; ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
 does is the plan's (:func:`model_states`); :func:`estimate_model_state_memory` writes the config of a stage,
 a dtype and the offloads, and prices its plan.
 """
@@ -79,10 +80,11 @@ def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
     sh, pr, where = plan.sharding, plan.precision, plan.placement
     n = float(num_params) / (plan.mesh.model * plan.mesh.pipe)
     div = plan.mesh.shard_size
-    m_b = _dtype_bytes(pr.master)  # Adam's two moments follow the master's dtype (bf16_optimizer_states)
+    m_b = _dtype_bytes(pr.master)
+    s_b = _dtype_bytes(pr.states)  # Adam's two moments: fp32, or bf16 with bf16_optimizer_states
     # a master copy unless the parameters are it (same dtype, both on the device, as peak._held prices it)
     separate = pr.compute != pr.master or where.optimizer != "device" or where.params != "device"
-    o_b = 2 * m_b + (m_b if separate else 0)
+    o_b = 2 * s_b + (m_b if separate else 0)
     params = _dtype_bytes(pr.compute) * n / (div if sh.partition_parameters else 1)
     grads = _dtype_bytes(pr.accumulate) * n / (div if sh.partition_gradients else 1)
     optim = o_b * n / (div if sh.partition_optimizer else 1)
@@ -96,9 +98,10 @@ def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
 
 
 def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = False, offload_param: bool = False,
-                 bf16_masters: bool = False) -> Dict[str, Any]:
+                 bf16_masters: bool = False, bf16_states: bool = True) -> Dict[str, Any]:
     """The config of ZeRO ``stage`` in ``dtype`` with the offloads (to cpu) asked for; ``bf16_masters``: bf16
-    master weights and optimizer states (dtype bf16)."""
+    master weights (dtype bf16), with bf16 optimizer states unless ``bf16_states`` is False (fp32 moments: needs
+    ``offload_optimizer``)."""
     zero: Dict[str, Any] = {"stage": stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -108,7 +111,7 @@ def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = Fals
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     if bf16_masters:
-        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": bf16_states}
     return cfg
 
 
@@ -120,10 +123,12 @@ def estimate_model_state_memory(
     offload_optimizer: bool = False,
     offload_param: bool = False,
     bf16_masters: bool = False,
+    bf16_states: bool = True,
 ) -> ModelStateMemory:
     """Bytes of parameters, gradients and Adam states per rank for ZeRO ``stage`` over ``world_size``
     data-parallel ranks. ``dtype``: "fp32", "bf16" or "fp16" (16-bit with fp32 master weights).
-    ``bf16_masters``: bf16 master weights and optimizer states (``dtype`` must be "bf16").
+    ``bf16_masters``: bf16 master weights (``dtype`` must be "bf16") and optimizer states, or, ``bf16_states``
+    False, fp32 moments (offloaded only, as DeepSpeed: its DeepSpeedCPUAdam).
 
     Raises ``ConfigError`` for an unknown dtype or stage, a world size below 1, a negative count, and
     optimizer offload at stage 0 (decide's) or parameter offload below stage 3 (asked for here by name,
@@ -141,5 +146,5 @@ def estimate_model_state_memory(
         raise ConfigError(f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got stage {stage}")
     if bf16_masters and dtype != "bf16":
         raise ConfigError(f"bf16_masters needs dtype 'bf16', got {dtype!r}")
-    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param, bf16_masters), world_size)
+    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param, bf16_masters, bf16_states), world_size)
     return model_states(plan, num_params)

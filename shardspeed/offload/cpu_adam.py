@@ -56,15 +56,42 @@ def hyper_of(optimizer: torch.optim.Optimizer, group: dict) -> AdamHyper:
                      decoupled, bool(group.get("maximize", False)))
 
 
+#: elements of a 16-bit master stepped at a time against fp32 moments (two fp32 scratch tiles: 8 MiB)
+MIXED_CHUNK = 1 << 20
+
+
 def _kernel(params, grads, exp_avgs, exp_avg_sqs, steps, h: AdamHyper) -> None:
+    if params[0].dtype != exp_avgs[0].dtype:
+        _mixed_kernel(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0], h)
+        return
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     fn(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
        weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=h.maximize)
 
 
+def _mixed_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  step: torch.Tensor, h: AdamHyper) -> None:
+    """A 16-bit master (and gradient) with moments in another dtype (fp32), as DeepSpeedCPUAdam steps bf16
+    masters with its default ``fp32_optimizer_states``: each element is read up to the moments' dtype, stepped
+    there, and the master rounded once (to nearest even) on the way back. In chunks of :data:`MIXED_CHUNK`
+    through two scratch tensors, so the step holds a bounded extra whatever the tile's size."""
+    n = param.numel()
+    width = min(n, MIXED_CHUNK)
+    p_s = torch.empty(width, dtype=exp_avg.dtype, device=param.device)
+    g_s = torch.empty(width, dtype=exp_avg.dtype, device=param.device)
+    for a in range(0, n, width):
+        b = min(a + width, n)
+        p, g = p_s[: b - a], g_s[: b - a]
+        p.copy_(param[a:b])
+        g.copy_(grad[a:b])
+        _kernel([p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step], h)
+        param[a:b].copy_(p)
+
+
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: torch.Tensor, h: AdamHyper, threads: int = 1, pool: Optional[ThreadPoolExecutor] = None) -> None:
-    """One Adam/AdamW update of a flat fp32 tile, in place. ``step`` (a float32 scalar tensor on the
+    """One Adam/AdamW update of a flat tile, in place: fp32; or a bf16 master and gradient with moments of either
+    dtype (bf16 moments: torch's kernel on bf16, computing in fp32; fp32 moments: :func:`_mixed_kernel`). ``step`` (a float32 scalar tensor on the
     tile's device) must already count this step (the caller increments it once per optimizer step).
     ``threads`` > 1 (tiles of 1M elements or more): that many chunks stepped on ``pool``, the stepping
     object's own (:func:`step_pool`; without one, a pool for this call)."""

@@ -90,7 +90,10 @@ class OffloadedMasterWeights(MasterWeights):
         check_overflow: bool,
         plan: OffloadPlan,
         master_dtype: torch.dtype = torch.float32,
+        state_dtype: Optional[torch.dtype] = None,
     ):
+        """``state_dtype``: Adam's moments (None: the master's dtype; fp32 beside bf16 masters, as
+        DeepSpeedCPUAdam keeps them without ``bf16_optimizer_states``)."""
         if plan.device not in ("cpu", "nvme"):
             raise ConfigError(f"offload device must be 'cpu' or 'nvme', got {plan.device!r}")
         self.plan = plan
@@ -118,7 +121,13 @@ class OffloadedMasterWeights(MasterWeights):
         muon = isinstance(self.optimizer, MuonWithAuxAdam)
         #: Muon's two-pass step over the stores (:mod:`.muon_step`; with NVMe), else None
         self.muon_tiles: Optional[MuonTiles] = None
+        self.state_dtype = state_dtype or master_dtype
         self.tiled = is_adam_family(self.optimizer) or (muon and nvme)
+        if self.state_dtype != master_dtype and not is_adam_family(self.optimizer):
+            raise ConfigError(f"{master_dtype} master weights with {self.state_dtype} optimizer states offloaded "
+                              f"need Adam or AdamW (DeepSpeed's DeepSpeedCPUAdam); the optimizer is "
+                              f"{type(self.optimizer).__name__}: use an Adam optimizer or set "
+                              f"bf16.bf16_optimizer_states true")
         if not self.tiled and nvme:
             raise ConfigError(f"offload_optimizer device 'nvme' supports Adam, AdamW (without amsgrad) and Muon; the "
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")
@@ -141,7 +150,7 @@ class OffloadedMasterWeights(MasterWeights):
             rank = self.units[0].rank if self.units else 0
             assert plan.nvme_path is not None  # the config requires it for device nvme
             self.host_store = NvmeStateStore(plan.nvme_path, self.host_tiles, plan.buffer_count, plan.pin_memory,
-                                             rank)
+                                             rank, dtypes=(master_dtype, self.state_dtype, self.state_dtype))
             shard, shard_unit = None, None  # read each unit's shard once (offload_param nvme: from its file)
             for t in self.host_tiles:
                 if t.unit != shard_unit:
@@ -150,9 +159,9 @@ class OffloadedMasterWeights(MasterWeights):
                 self.host_store.initialize(t, shard[t.lo : t.hi])
         else:
             self.host_store = MemoryStateStore({u: m for u in self.host_units
-                                                if (m := self.masters[u]) is not None})
+                                                if (m := self.masters[u]) is not None}, state_dtype=self.state_dtype)
         self.device_store = MemoryStateStore({u: m for u in self.device_units
-                                              if (m := self.masters[u]) is not None})
+                                              if (m := self.masters[u]) is not None}, state_dtype=self.state_dtype)
         dev = self.units[0].device if self.units else torch.device("cpu")
         max_tile = max((t.numel for t in self.host_tiles), default=0)
         self.copier = HostCopier(dev, self.units[0].dtype if self.units else torch.float32, max_tile,

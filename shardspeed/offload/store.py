@@ -1,7 +1,7 @@
 """One job: where the offloaded optimizer state lives: host memory, or files streamed through a bounded pool.
 
-Both stores hand out, tile by tile, a :class:`TileState` (fp32 master, exp_avg, exp_avg_sq views of the
-same length) and take it back with :meth:`release`:
+Both stores hand out, tile by tile, a :class:`TileState` (master, exp_avg, exp_avg_sq views of the same
+length; fp32, or a bf16 master with fp32 or bf16 moments in memory) and take it back with :meth:`release`:
 
 - :class:`MemoryStateStore`: state tensors held whole (on the host for ``device: cpu``, on the device for
   units kept there by ``ratio``); views are handed out directly, release is a no-op.
@@ -32,6 +32,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -64,6 +65,7 @@ logger = logging.getLogger("shardspeed")
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
+_SUFFIX = MappingProxyType({torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"})
 
 #: The environment variable that, set to ``0``, makes new NVMe stores and parameter files skip verifying what
 #: they read back (an internal switch, not a config key: ``benchmarks/bench_nvme_checksum.py`` sets it to
@@ -88,24 +90,32 @@ def _padded(numel: int) -> int:
     return aligned_size(numel * _FP32) // _FP32
 
 
+def _region(numel: int, size: int) -> int:
+    """Bytes of a tile's region in a state file of ``size``-byte elements: whole 4 KiB blocks."""
+    return aligned_size(numel * size)
+
+
 def _state_buffer(tile_elems: int, pin: bool) -> torch.Tensor:
     """A (3, row) fp32 host buffer for one tile's three states: rows of whole 4 KiB blocks at 4 KiB-aligned
-    addresses (``O_DIRECT`` transfers; the checksums' int64 view)."""
+    addresses (``O_DIRECT`` transfers; the checksums' int64 view). A row holds a state of any dtype up to 4
+    bytes (bf16 states use the front of their row, viewed as bf16)."""
     row = max(_padded(tile_elems), ALIGN // _FP32)
     return aligned_empty(3 * row * _FP32, pin).view(torch.float32).view(3, row)
 
 
 class MemoryStateStore:
-    """Master chunks (given) and Adam moments (allocated here, zero) held in memory per unit."""
+    """Master chunks (given) and Adam moments (allocated here, zero) held in memory per unit; the moments in
+    ``state_dtype`` (None: the master's; fp32 beside bf16 masters, as DeepSpeedCPUAdam keeps them)."""
 
     kind = "memory"
 
-    def __init__(self, masters: Dict[int, torch.Tensor], with_moments: bool = True):
+    def __init__(self, masters: Dict[int, torch.Tensor], with_moments: bool = True,
+                 state_dtype: Optional[torch.dtype] = None):
         self.masters = masters
         self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         if with_moments:
             for u, m in masters.items():
-                self.moments[u] = (torch.zeros_like(m), torch.zeros_like(m))
+                self.moments[u] = (torch.zeros_like(m, dtype=state_dtype), torch.zeros_like(m, dtype=state_dtype))
 
     def stream(self, tiles: Sequence[Tile]) -> Iterator[Tuple[Tile, TileState]]:
         for t in tiles:
@@ -144,7 +154,7 @@ class MemoryStateStore:
 
     def held_bytes(self) -> Dict[str, int]:
         master = sum(m.numel() * m.element_size() for m in self.masters.values())
-        moments = sum(2 * m.numel() * m.element_size() for m, _ in self.moments.values())
+        moments = sum(m.numel() * m.element_size() + v.numel() * v.element_size() for m, v in self.moments.values())
         return {"master": master, "optimizer": moments}
 
     def close(self) -> None:
@@ -152,7 +162,9 @@ class MemoryStateStore:
 
 
 class NvmeStateStore:
-    """Optimizer state of the given tiles in files; streamed through ``buffer_count`` host buffers.
+    """Optimizer state of the given tiles in files; streamed through ``buffer_count`` host buffers. ``dtypes``:
+    those of (master, exp_avg, exp_avg_sq) in the files and the buffers (fp32; a bf16 master with fp32 or bf16
+    moments: the files are as much smaller).
 
     Every read is checked against the block sums of what was written (``verify``; default
     :data:`VERIFY_SWAP_ENV`), kept in memory per tile and state: 8 bytes per 4 KiB of file."""
@@ -160,36 +172,41 @@ class NvmeStateStore:
     kind = "nvme"
 
     def __init__(self, nvme_path: str, tiles: Sequence[Tile], buffer_count: int, pin_memory: bool, rank: int,
-                 verify: Optional[bool] = None):
+                 verify: Optional[bool] = None, dtypes: Sequence[torch.dtype] = (torch.float32,) * 3):
         if buffer_count < 1:
             raise ConfigError("offload_optimizer.buffer_count must be >= 1 with device \"nvme\" (2 or more "
                               "lets reading the next tile overlap the step of the current one)")
         self.tiles = list(tiles)
         self.verify = verify_swap_default() if verify is None else bool(verify)
+        self.dtypes = tuple(dtypes)
+        if len(self.dtypes) != 3 or any(d.itemsize > _FP32 for d in self.dtypes):
+            raise ValueError(f"NvmeStateStore: dtypes must be three of at most 4 bytes, got {self.dtypes}")
+        self._sizes = [d.itemsize for d in self.dtypes]
         # each tile's region of a state file starts 4 KiB-aligned (its tail padded with zeros), so that whole
-        # tiles move with O_DIRECT between the aligned buffers and the disk
-        self._at: Dict[int, int] = {}
-        total = 0
+        # tiles move with O_DIRECT between the aligned buffers and the disk; per state, since dtypes differ
+        self._at: Dict[int, List[int]] = {}
+        totals = [0, 0, 0]
         for t in self.tiles:
-            self._at[t.index] = total * _FP32
-            total += _padded(t.numel)
-        swap = make_swap_dir(nvme_path, "optim", rank, 3 * total * _FP32, "the optimizer state")
+            self._at[t.index] = list(totals)
+            totals = [a + _region(t.numel, sz) for a, sz in zip(totals, self._sizes)]
+        need = sum(totals)
+        swap = make_swap_dir(nvme_path, "optim", rank, need, "the optimizer state")
         root, self.dir = swap.root, swap.path
         # tile index -> block sums of (master, exp_avg, exp_avg_sq) as last written (the files start as zeros)
         self._sums: Dict[int, List[torch.Tensor]] = {
-            t.index: [torch.zeros(n_blocks(t.numel * _FP32), dtype=torch.int64) for _ in STATE_NAMES]
+            t.index: [torch.zeros(n_blocks(t.numel * sz), dtype=torch.int64) for sz in self._sizes]
             for t in self.tiles} if self.verify else {}
         self.files: Dict[str, SwapFile] = {}
         try:
-            for name in STATE_NAMES:
-                f = self.files[name] = SwapFile(os.path.join(self.dir, f"{name}.f32"))
+            for name, dt, total in zip(STATE_NAMES, self.dtypes, totals):
+                f = self.files[name] = SwapFile(os.path.join(self.dir, f"{name}.{_SUFFIX[dt]}"))
                 if total:
-                    f.preallocate(0, total * _FP32)  # fails now (ENOSPC), not mid-training
+                    f.preallocate(0, total)  # fails now (ENOSPC), not mid-training
         except OSError as e:
             self._close_files()
             swap.remove()
             raise ConfigError(f"offload nvme_path {root!r}: cannot create the state files ({e.strerror}); "
-                              f"need {3 * total * _FP32 / 2**30:.2f} GiB") from e
+                              f"need {need / 2**30:.2f} GiB") from e
         self.tile_elems = max((t.numel for t in self.tiles), default=0)
         self.buffer_count = buffer_count
         pin = _pinned_ok(pin_memory)
@@ -201,10 +218,10 @@ class NvmeStateStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardspeed-nvme-write")
         self._writes: List[Future] = []
         self._finalizer = weakref.finalize(self, NvmeStateStore._cleanup, dict(self.files), swap, self._writer)
-        self._file_bytes = 3 * total * _FP32
+        self._file_bytes = need
         direct = all(f.direct_fd is not None for f in self.files.values())
         logger.info("NVMe optimizer state: %s (%.2f GiB%s), %d buffers × %d elements", self.dir,
-                    3 * total * _FP32 / 2**30, ", O_DIRECT" if direct else ", through the page cache", buffer_count,
+                    need / 2**30, ", O_DIRECT" if direct else ", through the page cache", buffer_count,
                     self.tile_elems)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
@@ -221,14 +238,23 @@ class NvmeStateStore:
     def _path(self, name: str) -> str:
         return self.files[name].path
 
-    def file_offset(self, tile: Tile) -> int:
-        """The byte at which ``tile``'s region starts in each state file (4 KiB-aligned)."""
-        return self._at[tile.index]
+    def file_offset(self, tile: Tile, state: int = 0) -> int:
+        """The byte at which ``tile``'s region starts in the file of ``state`` (0 master, 1 exp_avg,
+        2 exp_avg_sq; 4 KiB-aligned)."""
+        return self._at[tile.index][state]
+
+    def _row(self, buf: torch.Tensor, i: int, n: int) -> torch.Tensor:
+        """The first ``n`` elements of state ``i`` in a buffer's row ``i``, in the state's dtype."""
+        return buf[i].view(self.dtypes[i])[:n]
+
+    def _padded_row(self, buf: torch.Tensor, tile: Tile, i: int) -> torch.Tensor:
+        """State ``i``'s whole region of ``tile`` (with its padding) in row ``i`` of ``buf``."""
+        return self._row(buf, i, _region(tile.numel, self._sizes[i]) // self._sizes[i])
 
     def _read_state(self, tile: Tile, i: int, out: torch.Tensor, first_block: int = 0) -> None:
         """Read ``out`` from state ``i`` of ``tile``, from its block ``first_block`` on, and check it is what
         was written there."""
-        name, at = STATE_NAMES[i], self._at[tile.index] + first_block * SUM_BLOCK
+        name, at = STATE_NAMES[i], self._at[tile.index][i] + first_block * SUM_BLOCK
         found = self.files[name].read(out, at, checksum=self.verify)
         if found is not None:
             expected = self._sums[tile.index][i][first_block : first_block + found.numel()]
@@ -238,7 +264,7 @@ class NvmeStateStore:
     def _write_state(self, tile: Tile, i: int, data: torch.Tensor) -> None:
         """Write state ``i`` of ``tile`` (all of it, or with its region's zero padding) and record its block
         sums (those of the data: the padding is zeros, as :func:`block_sums` pads a partial block)."""
-        sums = self.files[STATE_NAMES[i]].write(data, self._at[tile.index], checksum=self.verify, pad=True)
+        sums = self.files[STATE_NAMES[i]].write(data, self._at[tile.index][i], checksum=self.verify, pad=True)
         if sums is not None:
             self._sums[tile.index][i] = sums
 
@@ -246,21 +272,22 @@ class NvmeStateStore:
         """All three states of ``tile`` into ``buf``'s rows, with the regions' padding (whole aligned blocks:
         one ``O_DIRECT`` transfer per chunk)."""
         for i in range(len(STATE_NAMES)):
-            self._read_state(tile, i, buf[i, : _padded(tile.numel)])
+            self._read_state(tile, i, self._padded_row(buf, tile, i))
 
     def _write(self, tile: Tile, buf: torch.Tensor, names: Sequence[str] = STATE_NAMES) -> None:
-        n, end = tile.numel, _padded(tile.numel)
         for i, name in enumerate(STATE_NAMES):
             if name in names:
-                buf[i, n:end].zero_()
-                self._write_state(tile, i, buf[i, :end])
+                region = self._padded_row(buf, tile, i)
+                region[tile.numel :].zero_()
+                self._write_state(tile, i, region)
 
     def initialize(self, tile: Tile, master: torch.Tensor) -> None:
         """Write a tile's initial master weights and zero moments (synchronously; at start only)."""
         buf = self._free.get()
         try:
-            buf[0, : tile.numel].copy_(master)
-            buf[1:, : tile.numel].zero_()
+            self._row(buf, 0, tile.numel).copy_(master)
+            for i in (1, 2):
+                self._row(buf, i, tile.numel).zero_()
             self._write(tile, buf)
         finally:
             self._free.put(buf)
@@ -270,7 +297,7 @@ class NvmeStateStore:
         self.flush()
         buf = self._free.get()
         try:
-            buf[0, : tile.numel].copy_(master)
+            self._row(buf, 0, tile.numel).copy_(master)
             self._write(tile, buf, names=("master",))
         finally:
             self._free.put(buf)
@@ -280,32 +307,33 @@ class NvmeStateStore:
         self.flush()
         out = _state_buffer(tile.numel, False)
         self._read(tile, out)
-        n = tile.numel
-        return TileState(out[0, :n], out[1, :n], out[2, :n])
+        return TileState(*(self._row(out, i, tile.numel) for i in range(3)))
 
     def read_state(self, tile: Tile, name: str, lo: int, hi: int) -> torch.Tensor:
         """A copy of elements ``[lo, hi)`` of the unit's chunk (inside ``tile``) of one state file
         (checkpoints: one range in memory at a time; a sync point with the disk). Verified: the 4 KiB blocks
         around the range are read and checked."""
         self.flush()
+        i = STATE_NAMES.index(name)
+        dt, sz = self.dtypes[i], self._sizes[i]
         if not self.verify:
-            out = torch.empty(hi - lo, dtype=torch.float32)
-            self.files[name].read(out, self._at[tile.index] + (lo - tile.lo) * _FP32)
+            out = torch.empty(hi - lo, dtype=dt)
+            self.files[name].read(out, self._at[tile.index][i] + (lo - tile.lo) * sz)
             return out
-        a, b = (lo - tile.lo) * _FP32, (hi - tile.lo) * _FP32  # bytes inside the tile
+        a, b = (lo - tile.lo) * sz, (hi - tile.lo) * sz  # bytes inside the tile
         k0 = a // SUM_BLOCK
-        start, end = k0 * SUM_BLOCK, min(n_blocks(b) * SUM_BLOCK, tile.numel * _FP32)
+        start, end = k0 * SUM_BLOCK, min(n_blocks(b) * SUM_BLOCK, tile.numel * sz)
         raw = torch.empty(max(end - start, 0), dtype=torch.uint8)
         if raw.numel():
-            self._read_state(tile, STATE_NAMES.index(name), raw, k0)
-        out = raw[a - start : b - start].view(torch.float32)
-        return out if out.numel() == raw.numel() // _FP32 else out.clone()
+            self._read_state(tile, i, raw, k0)
+        out = raw[a - start : b - start].view(dt)
+        return out if out.numel() == raw.numel() // sz else out.clone()
 
     def write_tile(self, tile: Tile, state: TileState) -> None:
         """Overwrite a tile's master weights and moments in the files; synchronous (checkpoint load)."""
         self.flush()
         for i, t in enumerate(state):
-            self._write_state(tile, i, t.detach().to("cpu", torch.float32).contiguous())
+            self._write_state(tile, i, t.detach().to("cpu", self.dtypes[i]).contiguous())
 
     # ---- the stream ------------------------------------------------------------------------------
     def stream(self, tiles: Sequence[Tile]) -> Iterator[Tuple[Tile, TileState]]:
@@ -348,8 +376,7 @@ class NvmeStateStore:
                         break
                 del pending[t.index]
                 self._owner[t.index] = buf
-                n = t.numel
-                yield t, TileState(buf[0, :n], buf[1, :n], buf[2, :n])
+                yield t, TileState(*(self._row(buf, i, t.numel) for i in range(3)))
         finally:
             stop.set()
             th.join()

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ShardspeedConfig, load_config, parse_config
 from ..errors import ConfigError
-from .precision_modes import AutocastPlan, autocast_plan, cast_plan, master_dtype
+from .precision_modes import AutocastPlan, autocast_plan, cast_plan, master_dtype, state_dtype
 from .sections import (
     config_source,
     experts_plan,
@@ -248,7 +248,8 @@ def precision_plan(cfg: ShardspeedConfig) -> PrecisionPlan:
     name = cfg.data_types.grad_accum_dtype if cfg.data_types is not None else None
     autocast = autocast_plan(cfg)
     return PrecisionPlan(
-        compute=cfg.train_dtype, reduce=cfg.comm_dtype, master=master_dtype(cfg), autocast=autocast,
+        compute=cfg.train_dtype, reduce=cfg.comm_dtype, master=master_dtype(cfg), states=state_dtype(cfg),
+        autocast=autocast,
         cast=cast_plan(cfg),
         accumulate=_DTYPES[name] if name is not None else cfg.train_dtype,
         loss_scale=LossScalePlan(enabled=bool(f.enabled), static_scale=float(f.loss_scale),

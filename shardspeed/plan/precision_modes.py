@@ -56,10 +56,12 @@ def autocast_plan(cfg: ShardspeedConfig) -> Optional[AutocastPlan]:
 def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
     """The dtype of master weights and of the gradients the optimizer steps on: bf16 with
     ``bf16.bf16_master_weights_and_grads``, else fp32. DeepSpeed's rules: 16-bit masters only at ZeRO 1-3;
-    bf16 masters without ``bf16_optimizer_states``, and fp16 masters always, only with ZeRO-Offload and its CPU
-    Adam (``runtime/zero/stage_1_and_2.py``, ``stage3.py``: ``_enforce_cpu_offload``); bf16 masters with
-    ``bf16_optimizer_states`` run with or without offload there. shardspeed runs bf16 masters with bf16 states on
-    the device or offloaded to the CPU; each other case is refused by name, saying whether DeepSpeed refuses it."""
+    bf16 masters without ``bf16_optimizer_states`` (fp32 moments), and fp16 masters always, only with
+    ZeRO-Offload and its CPU Adam (``runtime/zero/stage_1_and_2.py``, ``stage3.py``: ``_enforce_cpu_offload``);
+    bf16 masters with ``bf16_optimizer_states`` run with or without offload there. shardspeed runs bf16 masters
+    with bf16 states on the device or offloaded (CPU or NVMe: the state files in the masters' and moments'
+    dtypes), and with fp32 states offloaded (:func:`state_dtype`); each other case is refused by name, saying
+    whether DeepSpeed refuses it."""
     stage = int(cfg.zero_optimization.stage)
     bf16, fp16 = cfg.bf16, cfg.fp16
     for key, on in (("fp16.fp16_master_weights_and_grads", fp16.fp16_master_weights_and_grads),
@@ -76,23 +78,33 @@ def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
                           "use bf16 with bf16.bf16_master_weights_and_grads and bf16_optimizer_states instead")
     if fp16.fp16_master_weights_and_grads:
         raise ConfigError("fp16.fp16_master_weights_and_grads with offload_optimizer (DeepSpeed's fp16 masters on "
-                          "the host, stepped by DeepSpeedCPUAdam) is not implemented in shardspeed: its offloaded "
-                          "optimizer keeps fp32 masters; drop the key (fp16 with fp32 masters)")
+                          "the host, stepped by DeepSpeedCPUAdam) is not implemented in shardspeed: DeepSpeed runs "
+                          "fp16 only on an accelerator (\"Type fp16 is not supported on your device.\" on its CPU "
+                          "one), so there is no reference to hold it to; drop the key (fp16 with fp32 masters) or "
+                          "use bf16 with bf16.bf16_master_weights_and_grads")
     if not bf16.bf16_master_weights_and_grads:
         return torch.float32
-    if offloaded and not bf16.bf16_optimizer_states:
-        raise ConfigError("bf16.bf16_master_weights_and_grads with offload_optimizer and without "
-                          "bf16.bf16_optimizer_states (DeepSpeed's bf16 host masters with fp32 moments) is not "
-                          "implemented in shardspeed; set bf16_optimizer_states true (bf16 moments, as DeepSpeed)")
-    if offload is not None and offloaded and offload.device != "cpu":
-        raise ConfigError(f"bf16.bf16_master_weights_and_grads with offload_optimizer device '{offload.device}' is not "
-                          f"implemented in shardspeed (its NVMe files hold fp32 states); use device 'cpu' or drop "
-                          f"the key")
-    if not bf16.bf16_optimizer_states:
-        raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states: DeepSpeed then "
-                          "needs ZeRO-Offload with DeepSpeedCPUAdam (fp32 moments on the host), and refuses it "
-                          "without offload_optimizer; set bf16_optimizer_states true too")
+    if not bf16.bf16_optimizer_states and not offloaded:
+        raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states and without "
+                          "zero_optimization.offload_optimizer: DeepSpeed refuses it too (\"Master weights feature "
+                          "requires ZeRO Offload with DeepSpeedCPUAdam\": fp32 moments live on the host); set "
+                          "bf16_optimizer_states true, or offload_optimizer device 'cpu'")
     return torch.bfloat16
+
+
+def state_dtype(cfg: ShardspeedConfig) -> torch.dtype:
+    """The dtype of the optimizer's states (Adam's moments): bf16 with ``bf16.bf16_optimizer_states``, else fp32
+    (with bf16 masters too: DeepSpeedCPUAdam's default ``fp32_optimizer_states``), except that offloaded bf16
+    masters with ``optimizer.params.fp32_optimizer_states: false`` keep bf16 moments (DeepSpeedCPUAdam's states
+    then follow its parameters). The rules are :func:`master_dtype`'s."""
+    if cfg.bf16.bf16_optimizer_states:
+        return torch.bfloat16
+    offload = cfg.zero_optimization.offload_optimizer
+    offloaded = offload is not None and offload.device != "none"
+    params = cfg.optimizer.params if cfg.optimizer is not None else {}
+    if cfg.bf16.bf16_master_weights_and_grads and offloaded and params.get("fp32_optimizer_states") is False:
+        return torch.bfloat16
+    return torch.float32
 
 
 def cast_plan(cfg: ShardspeedConfig) -> CastPlan:
@@ -109,4 +121,5 @@ def cast_plan(cfg: ShardspeedConfig) -> CastPlan:
                     keep_in_fp32=keep if isinstance(keep, str) else tuple(keep))
 
 
-__all__ = ["AutocastPlan", "CastPlan", "DEFAULT_SAFE_MODULES", "autocast_plan", "master_dtype", "cast_plan"]
+__all__ = ["AutocastPlan", "CastPlan", "DEFAULT_SAFE_MODULES", "autocast_plan", "master_dtype", "state_dtype",
+           "cast_plan"]

@@ -171,12 +171,14 @@ class LossScalePlan:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Dtypes of computation, masters (fp32, or bf16 with ``bf16_master_weights_and_grads``), gradient
-    collectives and gradient accumulation; ``autocast``: ``torch_autocast`` (None: off); ``cast``: how the
+    """Dtypes of computation, masters (fp32, or bf16 with ``bf16_master_weights_and_grads``), optimizer states
+    (``states``: fp32, or bf16 with ``bf16_optimizer_states``), gradient collectives and gradient accumulation;
+    ``autocast``: ``torch_autocast`` (None: off); ``cast``: how the
     module's parameters and buffers are cast (``data_types``)."""
 
     compute: torch.dtype = torch.float32
     master: torch.dtype = torch.float32
+    states: torch.dtype = torch.float32
     reduce: torch.dtype = torch.float32
     accumulate: torch.dtype = torch.float32
     loss_scale: LossScalePlan = LossScalePlan()

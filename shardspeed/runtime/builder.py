@@ -344,7 +344,7 @@ def _master_weights(plan: Plan, zero: ZeroRoot, collectives: Collectives, group_
                           buffer_count=pl.buffer_count, pin_memory=pl.pin_memory, ratio=pl.ratio,
                           tile_elems=pl.tile_elems)
     return OffloadedMasterWeights(zero.units, zero, collectives, group_of, make_optimizer, plan=offload,
-                                  master_dtype=plan.precision.master, **kwargs)
+                                  master_dtype=plan.precision.master, state_dtype=plan.precision.states, **kwargs)
 
 
 def _model_parallel(plan: Plan, model: nn.Module, topo: Topology, log: CommsLogger, pipe_plan,

@@ -221,8 +221,8 @@ class DeepSpeedMembers:
     def bf16_master_weights_and_gradients(self) -> bool:
         return self._p.master.master_dtype == torch.bfloat16
 
-    def bf16_optimizer_states(self) -> bool:  # implied by bf16 masters here (DeepSpeed requires it without offload)
-        return self._p.master.master_dtype == torch.bfloat16
+    def bf16_optimizer_states(self) -> bool:  # bf16 masters offloaded keep fp32 moments without it
+        return self._p.master.state_dtype == torch.bfloat16
 
     def fp16_master_weights_and_gradients(self) -> bool:
         return False  # refused at initialize

@@ -114,6 +114,9 @@ class MasterWeights:
         self.gather_after_step = gather_after_step
         self.check_overflow = check_overflow
         self.master_dtype = master_dtype
+        #: the dtype of Adam's moments where this object keeps them itself (the offload stores); on the device the
+        #: optimizer's own states follow the master's dtype
+        self.state_dtype = master_dtype
         make_master = make_master or (lambda ui, unit: device_master(unit, master_dtype))
         self.masters: List[Optional[torch.Tensor]] = []
         self.piece_tensors: List[List[torch.Tensor]] = []
