@@ -1,4 +1,4 @@
-"""Per-rank peak memory of a training step: model states + gradient buckets + gathered units + activations.
+"""One job: the per-rank peak memory of a training step (model states, gradient buckets, gathered units, activations).
 
 :func:`estimate_peak` prices a :class:`~shardspeed.plan.Plan` (made by :func:`shardspeed.plan.decide` from the
 config, or given) for a :class:`~.model.ModelSpec`; pure arithmetic that mirrors what the engine allocates

@@ -140,6 +140,16 @@ class OffloadedMasterWeights(MasterWeights):
         if not self.tiled:
             logger.info("offload: %s is stepped by torch on the host (generic path)", type(self.optimizer).__name__)
             return
+        self._build_stores(group_of_param, nvme)
+        if muon:
+            assert self.device_store is not None and self.host_store is not None  # built just now
+            self.muon_tiles = MuonTiles([(self.device_store, self.device_tiles), (self.host_store, self.host_tiles)],
+                                        self.units, self.trainable_pieces, self.piece_tensors)
+
+    def _build_stores(self, group_of_param: Dict[int, int], nvme: bool) -> None:
+        """The tiled path's tiles, stores (host memory or NVMe files; the device for units kept there by
+        ``ratio``), copier and step counters."""
+        plan, master_dtype = self.plan, self.master_dtype
         # per unit, (chunk start, numel, position of the param group) of each trainable piece
         pos = {g: i for i, g in enumerate(self.group_indices)}
         unit_pieces = [[(pc.chunk_start, pc.numel, pos[group_of_param[id(u.params[pc.param_index])]])
@@ -168,9 +178,6 @@ class OffloadedMasterWeights(MasterWeights):
                                  plan.pin_memory)
         self._host_step = torch.zeros((), dtype=torch.float32)
         self._device_step = torch.zeros((), dtype=torch.float32, device=dev)
-        if muon:
-            self.muon_tiles = MuonTiles([(self.device_store, self.device_tiles), (self.host_store, self.host_tiles)],
-                                        self.units, self.trainable_pieces, self.piece_tensors)
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, loss_scale: float, clip: float) -> StepResult:
