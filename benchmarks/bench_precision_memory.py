@@ -8,7 +8,9 @@ formula and the memory estimator.
 Modes (AdamW lr 1e-4, clipping 1.0, ZeRO ``--stages``, gloo on CPU, the same config given to both libraries):
 ``fp32``; ``bf16`` (bf16 compute, fp32 masters); ``autocast`` (``torch_autocast`` bf16, fp32 parameters);
 ``bf16_masters`` (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``); ``bf16_masters_off`` (the same
-with ``offload_optimizer: cpu``; DeepSpeed steps it with DeepSpeedCPUAdam). Libraries: ``ss``
+with ``offload_optimizer: cpu``; DeepSpeed steps it with DeepSpeedCPUAdam); ``bf16_masters_f32_off`` (offloaded
+bf16 masters without ``bf16_optimizer_states``: fp32 moments on the host); ``muon`` and ``muon_off`` (bf16 compute,
+fp32 masters, ``optimizer.type: "Muon"``, optionally offloaded; DeepSpeed's Muon step eager). Libraries: ``ss``
 (``shardspeed.initialize``) and ``ds`` (the real ``deepspeed.initialize``, its FusedAdam built for the CPU).
 One group of ``world`` fresh processes per (stage, library, mode), one after the other.
 
@@ -61,22 +63,30 @@ def config(mode: str, stage: int, batch: int) -> Dict[str, Any]:
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if mode == "autocast":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    elif mode == "bf16":
+    elif mode == "bf16" or mode.startswith("muon"):
         cfg["bf16"] = {"enabled": True}
     elif mode.startswith("bf16_masters"):
-        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                       "bf16_optimizer_states": not mode.startswith("bf16_masters_f32")}
+    if mode.startswith("muon"):  # DeepSpeed's Muon at stage 3 asks for reduce_scatter off (ours runs either way)
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-4}}
+        cfg["zero_optimization"]["reduce_scatter"] = stage != 3
     if mode.endswith("_off"):  # DeepSpeed: its DeepSpeedCPUAdam (a JIT-built op) steps the host masters
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
 
-def formula(mode: str, stage: int, psi: int, world: int, lib: str) -> float:
-    """Model-state bytes per rank of ``mode``; DeepSpeed's bf16 masters add its bf16 clone of the master shard."""
+def formula(mode: str, stage: int, psi: int, world: int, lib: str, muon: int = 0) -> float:
+    """Model-state bytes per rank of ``mode``; DeepSpeed's bf16 masters add its bf16 clone of the master shard;
+    Muon keeps one fp32 momentum, not Adam's two moments, on its ``muon`` elements."""
     from shardspeed.estimate.states import estimate_model_state_memory
 
     dtype = {"fp32": "fp32", "autocast": "fp32"}.get(mode, "bf16")
     states = estimate_model_state_memory(psi, world, stage, dtype, offload_optimizer=mode.endswith("_off"),
-                                         bf16_masters=mode.startswith("bf16_masters")).total  # device + host: one RAM
+                                         bf16_masters=mode.startswith("bf16_masters"),
+                                         bf16_states=not mode.startswith("bf16_masters_f32")).total  # one RAM
+    if mode.startswith("muon"):
+        states -= 4 * muon / (world if stage else 1)
     return states + (2 * psi / world if lib == "ds" and mode == "bf16_masters" else 0.0)
 
 
@@ -125,6 +135,13 @@ def worker(rank, world, port, lib, model_name, mode, stage, steps, q):
         reset_peak_rss()
         model = build_model(model_name)
         psi = num_params(model)
+        from shardspeed.optim.muon import use_muon
+
+        muon = sum(p.numel() for n, p in model.named_parameters() if use_muon(n, p))
+        if lib == "ds" and mode.startswith("muon"):  # its Muon step eager: no minutes of CPU compilation
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
         engine = _engine(lib, model, config(mode, stage, MODELS[model_name]["batch"]))
         del model
         gc.collect()
@@ -138,7 +155,7 @@ def worker(rank, world, port, lib, model_name, mode, stage, steps, q):
             engine.step()
             losses.append(float(loss))
         row = {"rank": rank, "baseline_mib": base / 1024, "build_mib": (build - base) / 1024,
-               "train_mib": (proc_status_kb("VmHWM") - base) / 1024, "psi": psi, "losses": losses,
+               "train_mib": (proc_status_kb("VmHWM") - base) / 1024, "psi": psi, "muon": muon, "losses": losses,
                "held_mib": engine.memory_breakdown()["total"] / MiB if lib == "ss" else None}
         rows: List[Any] = [None] * world
         torch.distributed.all_gather_object(rows, row)
@@ -169,7 +186,7 @@ def measure(lib: str, model_name: str, mode: str, stage: int, world: int, steps:
     psi = rows[0]["psi"]
     out: Dict[str, Any] = {k: max(r[k] for r in rows) for k in ("baseline_mib", "build_mib", "train_mib")}
     out.update(peak_mib=max(out["build_mib"], out["train_mib"]), psi=psi, losses=rows[0]["losses"],
-               held_mib=rows[0]["held_mib"], formula_mib=formula(mode, stage, psi, world, lib) / MiB)
+               held_mib=rows[0]["held_mib"], formula_mib=formula(mode, stage, psi, world, lib, rows[0]["muon"]) / MiB)
     return out
 
 
