@@ -138,7 +138,8 @@ def test_fp16_masters_offloaded_match_the_plain_torch_reference(runs, case):
     """fp16 masters on the host, fp32 moments, fp16 gradients unscaled and clipped (every step: the norm is above
     0.05) and rounded to fp16, each element stepped in fp32 and rounded once: the reference's losses within 1e-4
     over 20 steps (observed 7e-5) and its final parameters within one fp16 ulp at 1 (observed: 80% bit-equal, the
-    rest a rounding apart: the fp16 norm and sums are added in another order); the scale and the skipped steps
+    rest a rounding apart; from step 2 a few LayerNorm-bias elements first round differently, a cause not yet
+    pinned down: not the Adam kernel, checked on recorded tiles, nor gloo's fp16 sum); the scale and the skipped steps
     exactly; Adam's moments fp32 on the host (the fp32 run's bytes), as DeepSpeedCPUAdam keeps them."""
     ours, ref = runs["ours"][case], _fp16_reference_of(case)
     assert "real" not in runs or case not in runs["real"]  # DeepSpeed's CPU accelerator has no fp16
@@ -169,8 +170,8 @@ def test_fp16_dynamic_scale_overflows_skips_and_halves_as_deepspeed(runs):
 
 
 def test_fp16_masters_bit_identical_to_the_reference_at_world_1(monkeypatch):
-    """One rank, ZeRO 2 offloaded, two micro-batches, no clipping: every parameter after 6 steps is the
-    reference's bit for bit (the norm's order of summation, the one thing that differs at world 2, is unused)."""
+    """One rank, ZeRO 2 offloaded, two micro-batches, no clipping (the clip factor would hang on the norm's
+    order of summation, which differs): every parameter after 6 steps is the reference's bit for bit."""
     one_rank_env(monkeypatch)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
            "steps_per_print": 1000, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
