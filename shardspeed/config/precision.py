@@ -54,9 +54,10 @@ class FP16Config(ConfigModel):
         False, "Refill the hysteresis counter after every step without overflow.")
     min_loss_scale: float = field(1.0, "Floor of the dynamic loss scale.", gt=0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = field(
-        False, "DeepSpeed: keep master weights and gradients in fp16. DeepSpeed allows it only with ZeRO-Offload "
-        "and its CPU Adam (refusing it without offload, as shardspeed does); shardspeed does not run fp16 masters "
-        "offloaded either: refused by name.")
+        False, "Keep master weights and gradients in fp16, no fp32 copy (ZeRO 1-3, with fp16.enabled and "
+        "zero_optimization.offload_optimizer, as DeepSpeed requires: its DeepSpeedCPUAdam). The fp16 masters live "
+        "on the host (or in the NVMe files) beside fp32 Adam moments (fp16 ones with optimizer.params "
+        "fp32_optimizer_states false); each element is stepped in fp32 and the master rounded once.")
 
 
 class BF16Config(ConfigModel):

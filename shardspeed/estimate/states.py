@@ -23,7 +23,8 @@ stage 0, as in DeepSpeed).
 
 ``offload_optimizer`` moves the optimizer-state shard to host memory (stages 1-3): 12Ψ/N; at fp32 8Ψ/N plus
 a 4Ψ/N master (the parameter shard stays behind, so the master is a copy); with bf16 masters and states 6Ψ/N;
-with bf16 masters and fp32 moments (DeepSpeedCPUAdam's default) 2Ψ/N + 8Ψ/N = 10Ψ/N; ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
+with bf16 or fp16 masters and fp32 moments (DeepSpeedCPUAdam's default; fp16 masters only so, as in
+DeepSpeed) 2Ψ/N + 8Ψ/N = 10Ψ/N; ``offload_param`` (stage 3 only) moves the parameter shard to host memory too. Which of these a run
 does is the plan's (:func:`model_states`); :func:`estimate_model_state_memory` writes the config of a stage,
 a dtype and the offloads, and prices its plan.
 """
@@ -98,9 +99,10 @@ def model_states(plan: Plan, num_params: float) -> ModelStateMemory:
 
 
 def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = False, offload_param: bool = False,
-                 bf16_masters: bool = False, bf16_states: bool = True) -> Dict[str, Any]:
+                 bf16_masters: bool = False, bf16_states: bool = True, fp16_masters: bool = False) -> Dict[str, Any]:
     """The config of ZeRO ``stage`` in ``dtype`` with the offloads (to cpu) asked for; ``bf16_masters``: bf16
     master weights (dtype bf16), with bf16 optimizer states unless ``bf16_states`` is False (fp32 moments: needs
+    ``offload_optimizer``); ``fp16_masters``: fp16 master weights with fp32 moments (dtype fp16; needs
     ``offload_optimizer``)."""
     zero: Dict[str, Any] = {"stage": stage}
     if offload_optimizer:
@@ -112,6 +114,8 @@ def state_config(stage: int, dtype: str = "bf16", offload_optimizer: bool = Fals
         cfg[dtype] = {"enabled": True}
     if bf16_masters:
         cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": bf16_states}
+    if fp16_masters:
+        cfg["fp16"] = {"enabled": True, "fp16_master_weights_and_grads": True}
     return cfg
 
 
@@ -124,11 +128,13 @@ def estimate_model_state_memory(
     offload_param: bool = False,
     bf16_masters: bool = False,
     bf16_states: bool = True,
+    fp16_masters: bool = False,
 ) -> ModelStateMemory:
     """Bytes of parameters, gradients and Adam states per rank for ZeRO ``stage`` over ``world_size``
     data-parallel ranks. ``dtype``: "fp32", "bf16" or "fp16" (16-bit with fp32 master weights).
     ``bf16_masters``: bf16 master weights (``dtype`` must be "bf16") and optimizer states, or, ``bf16_states``
-    False, fp32 moments (offloaded only, as DeepSpeed: its DeepSpeedCPUAdam).
+    False, fp32 moments (offloaded only, as DeepSpeed: its DeepSpeedCPUAdam). ``fp16_masters``: fp16 master
+    weights with fp32 moments (``dtype`` "fp16", ``offload_optimizer`` only, as DeepSpeed).
 
     Raises ``ConfigError`` for an unknown dtype or stage, a world size below 1, a negative count, and
     optimizer offload at stage 0 (decide's) or parameter offload below stage 3 (asked for here by name,
@@ -146,5 +152,8 @@ def estimate_model_state_memory(
         raise ConfigError(f"offload_param needs ZeRO stage 3 (parameters are sharded only there), got stage {stage}")
     if bf16_masters and dtype != "bf16":
         raise ConfigError(f"bf16_masters needs dtype 'bf16', got {dtype!r}")
-    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param, bf16_masters, bf16_states), world_size)
+    if fp16_masters and dtype != "fp16":
+        raise ConfigError(f"fp16_masters needs dtype 'fp16', got {dtype!r}")
+    plan = plan_for(state_config(stage, dtype, offload_optimizer, offload_param, bf16_masters, bf16_states,
+                                 fp16_masters), world_size)
     return model_states(plan, num_params)

@@ -126,8 +126,8 @@ class OffloadedMasterWeights(MasterWeights):
         if self.state_dtype != master_dtype and not is_adam_family(self.optimizer):
             raise ConfigError(f"{master_dtype} master weights with {self.state_dtype} optimizer states offloaded "
                               f"need Adam or AdamW (DeepSpeed's DeepSpeedCPUAdam); the optimizer is "
-                              f"{type(self.optimizer).__name__}: use an Adam optimizer or set "
-                              f"bf16.bf16_optimizer_states true")
+                              f"{type(self.optimizer).__name__}: use an Adam optimizer"
+                              + (" or set bf16.bf16_optimizer_states true" if master_dtype == torch.bfloat16 else ""))
         if not self.tiled and nvme:
             raise ConfigError(f"offload_optimizer device 'nvme' supports Adam, AdamW (without amsgrad) and Muon; the "
                               f"optimizer is {type(self.optimizer).__name__}: use device 'cpu' or an Adam optimizer")

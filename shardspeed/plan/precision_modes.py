@@ -53,15 +53,20 @@ def autocast_plan(cfg: ShardspeedConfig) -> Optional[AutocastPlan]:
     return AutocastPlan(dtype=_DTYPES[ta.dtype] if ta.dtype is not None else None, safe_modules=safe)
 
 
+def _offloaded(cfg: ShardspeedConfig) -> bool:
+    offload = cfg.zero_optimization.offload_optimizer
+    return offload is not None and offload.device != "none"
+
+
 def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
     """The dtype of master weights and of the gradients the optimizer steps on: bf16 with
-    ``bf16.bf16_master_weights_and_grads``, else fp32. DeepSpeed's rules: 16-bit masters only at ZeRO 1-3;
-    bf16 masters without ``bf16_optimizer_states`` (fp32 moments), and fp16 masters always, only with
-    ZeRO-Offload and its CPU Adam (``runtime/zero/stage_1_and_2.py``, ``stage3.py``: ``_enforce_cpu_offload``);
-    bf16 masters with ``bf16_optimizer_states`` run with or without offload there. shardspeed runs bf16 masters
-    with bf16 states on the device or offloaded (CPU or NVMe: the state files in the masters' and moments'
-    dtypes), and with fp32 states offloaded (:func:`state_dtype`); each other case is refused by name, saying
-    whether DeepSpeed refuses it."""
+    ``bf16.bf16_master_weights_and_grads``, fp16 with ``fp16.fp16_master_weights_and_grads``, else fp32.
+    DeepSpeed's rules: 16-bit masters only at ZeRO 1-3; bf16 masters without ``bf16_optimizer_states`` (fp32
+    moments), and fp16 masters always, only with ZeRO-Offload and its CPU Adam (``runtime/zero/stage_1_and_2.py``,
+    ``stage3.py``: ``_enforce_cpu_offload``); bf16 masters with ``bf16_optimizer_states`` run with or without
+    offload there. shardspeed runs bf16 masters with bf16 states on the device or offloaded (CPU or NVMe: the
+    state files in the masters' and moments' dtypes), bf16 or fp16 masters with fp32 states offloaded
+    (:func:`state_dtype`); each other case is refused by name, saying whether DeepSpeed refuses it."""
     stage = int(cfg.zero_optimization.stage)
     bf16, fp16 = cfg.bf16, cfg.fp16
     for key, on in (("fp16.fp16_master_weights_and_grads", fp16.fp16_master_weights_and_grads),
@@ -70,18 +75,9 @@ def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
         if on and stage == 0:
             raise ConfigError(f"{key} is only supported with ZeRO stage 1, 2 or 3 (as in DeepSpeed); set "
                               f"zero_optimization.stage or drop the key")
-    offload = cfg.zero_optimization.offload_optimizer
-    offloaded = offload is not None and offload.device != "none"
-    if fp16.fp16_master_weights_and_grads and not offloaded:
-        raise ConfigError("fp16.fp16_master_weights_and_grads without zero_optimization.offload_optimizer: DeepSpeed "
-                          "refuses it too (\"Master weights feature requires ZeRO Offload with DeepSpeedCPUAdam\"); "
-                          "use bf16 with bf16.bf16_master_weights_and_grads and bf16_optimizer_states instead")
+    offloaded = _offloaded(cfg)
     if fp16.fp16_master_weights_and_grads:
-        raise ConfigError("fp16.fp16_master_weights_and_grads with offload_optimizer (DeepSpeed's fp16 masters on "
-                          "the host, stepped by DeepSpeedCPUAdam) is not implemented in shardspeed: DeepSpeed runs "
-                          "fp16 only on an accelerator (\"Type fp16 is not supported on your device.\" on its CPU "
-                          "one), so there is no reference to hold it to; drop the key (fp16 with fp32 masters) or "
-                          "use bf16 with bf16.bf16_master_weights_and_grads")
+        return _fp16_masters(cfg, offloaded)
     if not bf16.bf16_master_weights_and_grads:
         return torch.float32
     if not bf16.bf16_optimizer_states and not offloaded:
@@ -92,18 +88,32 @@ def master_dtype(cfg: ShardspeedConfig) -> torch.dtype:
     return torch.bfloat16
 
 
+def _fp16_masters(cfg: ShardspeedConfig, offloaded: bool) -> torch.dtype:
+    """fp16 masters (DeepSpeed's: on the host beside fp32 moments, stepped by DeepSpeedCPUAdam in fp32 and rounded
+    once) need ZeRO-Offload, as DeepSpeed asserts, and fp16 training (the masters are the fp16 weights' own)."""
+    if not offloaded:
+        raise ConfigError("fp16.fp16_master_weights_and_grads without zero_optimization.offload_optimizer: DeepSpeed "
+                          "refuses it too (\"Master weights feature requires ZeRO Offload with DeepSpeedCPUAdam\"); "
+                          "set offload_optimizer device 'cpu' (or 'nvme'), or drop the key (fp32 masters)")
+    if not cfg.fp16.enabled:
+        raise ConfigError("fp16.fp16_master_weights_and_grads needs fp16.enabled true (fp16 weights, of which the "
+                          "masters are the fp16 copy); set fp16.enabled or drop the key")
+    return torch.float16
+
+
 def state_dtype(cfg: ShardspeedConfig) -> torch.dtype:
     """The dtype of the optimizer's states (Adam's moments): bf16 with ``bf16.bf16_optimizer_states``, else fp32
-    (with bf16 masters too: DeepSpeedCPUAdam's default ``fp32_optimizer_states``), except that offloaded bf16
-    masters with ``optimizer.params.fp32_optimizer_states: false`` keep bf16 moments (DeepSpeedCPUAdam's states
-    then follow its parameters). The rules are :func:`master_dtype`'s."""
+    (with bf16 or fp16 masters too: DeepSpeedCPUAdam's default ``fp32_optimizer_states``), except that offloaded
+    16-bit masters with ``optimizer.params.fp32_optimizer_states: false`` keep moments in the masters' dtype
+    (DeepSpeedCPUAdam's states then follow its parameters). The rules are :func:`master_dtype`'s."""
     if cfg.bf16.bf16_optimizer_states:
         return torch.bfloat16
-    offload = cfg.zero_optimization.offload_optimizer
-    offloaded = offload is not None and offload.device != "none"
     params = cfg.optimizer.params if cfg.optimizer is not None else {}
-    if cfg.bf16.bf16_master_weights_and_grads and offloaded and params.get("fp32_optimizer_states") is False:
-        return torch.bfloat16
+    if _offloaded(cfg) and params.get("fp32_optimizer_states") is False:
+        if cfg.bf16.bf16_master_weights_and_grads:
+            return torch.bfloat16
+        if cfg.fp16.fp16_master_weights_and_grads:
+            return torch.float16
     return torch.float32
 
 

@@ -225,7 +225,7 @@ class DeepSpeedMembers:
         return self._p.master.state_dtype == torch.bfloat16
 
     def fp16_master_weights_and_gradients(self) -> bool:
-        return False  # refused at initialize
+        return self._p.master.master_dtype == torch.float16
 
     def zero_optimization(self) -> bool:
         return self._p.zero_stage > 0
