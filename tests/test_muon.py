@@ -310,12 +310,15 @@ def test_estimator_prices_the_offloaded_muon_step_as_it_runs():
     shard = spec.num_params / 2
     assert step["grads_copy_host"] == 4 * shard and step["master_host"] == 4 * shard
     assert "offload_buffers_host" not in step and "optimizer" not in step
+    muon = sum(p.numel() for n, p in make_model("tied").named_parameters() if n in ("wte.weight", "wpe.weight")
+               or n.startswith("block.") and p.dim() == 2)
+    largest = max(p.numel() for p in make_model("tied").parameters())
+    # the blends on the host; the owners' whole matrices and the results, Newton-Schulz's temporaries
+    assert step["muon_blends_host"] == 4 * muon / 2 and step["muon_updates"] == 2 * 4 * muon / 2 + 12 * largest
     adam = estimate_peak(spec, dict(cfg, optimizer={"type": "AdamW"}), world_size=2).terms
     assert "grads_copy_host" not in adam and adam["offload_buffers_host"] > 0
     # from NVMe files: 12 bytes per element in the files (Adam's slots), the Muon elements' blends in memory
     nvme = estimate_peak(spec, _nvme(1, "/tmp"), world_size=2)
-    muon = sum(p.numel() for n, p in make_model("tied").named_parameters() if n in ("wte.weight", "wpe.weight")
-               or n.startswith("block.") and p.dim() == 2)
     assert nvme.nvme == 12 * shard and nvme.terms["muon_blends_host"] == 4 * muon / 2
 
 

@@ -111,6 +111,7 @@ class _Sizes:
     o_b: float
     gas: int
     act: ActivationProfile
+    largest: float = 0.0  # elements of the largest parameter (of the slice)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -198,7 +199,8 @@ def _sizes(spec: ModelSpec, plan: Plan, o_b: float, act: ActivationProfile) -> _
     n_dp = plan.mesh.shard_size
     return _Sizes(psi=psi, n_dp=n_dp, shard=psi / n_dp if sh.partition_optimizer else psi,
                   units=[u / split for u in units], t_b=_dtype_bytes(pr.compute), g_b=_dtype_bytes(pr.accumulate),
-                  o_b=o_b, gas=plan.batch.accumulation_steps, act=act)
+                  o_b=o_b, gas=plan.batch.accumulation_steps, act=act,
+                  largest=max(spec.param_numels, default=0) / split)
 
 
 def _held(plan: Plan, z: _Sizes) -> Tuple[Terms, float]:
@@ -298,7 +300,26 @@ def _step(plan: Plan, z: _Sizes, held: Terms) -> Terms:
         # Muon from the files (offload/muon_step.py): the Nesterov blends of its elements kept between the
         # passes, 4 bytes each (its share of the elements: what its state bytes lack of AdamW's 8, over 4)
         out["muon_blends_host"] = z.shard * (OPTIMIZER_STATE_BYTES["adamw"] - z.o_b)
+    if optimizer_name(plan.optimizer) == "muon" and plan.placement.optimizer != "file":
+        _muon_step(plan, z, out)
     return out
+
+
+def _muon_step(plan: Plan, z: _Sizes, out: Terms) -> None:
+    """Muon stepped over every unit at once (zero/master.py, optim/muon.py): every gradient shard in fp32 at
+    once, and, 4 bytes per Muon element of the shard each, the Nesterov blends (on the host when offloaded),
+    the whole matrices its owners assemble (about one shard's worth, dealt by size) and the orthogonalised
+    results; Newton-Schulz's iterate and two products of the largest matrix. Measured on a 23M GPT at ZeRO 3,
+    world 2: 362 MiB against 356 priced (230 before these terms)."""
+    pr = plan.precision
+    if plan.placement.optimizer == "device" and (pr.compute != pr.master or pr.accumulate != pr.master):
+        out["grad_fp32"] = z.shard * 4
+    muon = z.shard * (OPTIMIZER_STATE_BYTES["adamw"] - z.o_b)  # 4 bytes x its share of the shard's elements
+    updates = 3 * muon + 3 * 4 * z.largest
+    if plan.placement.optimizer == "host":
+        out["muon_blends_host"] = muon
+        updates -= muon
+    out["muon_updates"] = updates
 
 
 def _offload_buffers(plan: Plan, z: _Sizes, held: Terms, phases: Dict[str, Terms]) -> None:
