@@ -90,9 +90,9 @@ def _mixed_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: torch.Tensor, h: AdamHyper, threads: int = 1, pool: Optional[ThreadPoolExecutor] = None) -> None:
-    """One Adam/AdamW update of a flat tile, in place: fp32; or a bf16 master and gradient with moments of either
-    dtype (bf16 moments: torch's kernel on bf16, computing in fp32; fp32 moments: :func:`_mixed_kernel`). ``step`` (a float32 scalar tensor on the
-    tile's device) must already count this step (the caller increments it once per optimizer step).
+    """One Adam/AdamW update of a flat tile, in place: fp32; or a 16-bit master and gradient with moments of
+    either dtype (16-bit moments: torch's kernel, computing in fp32; fp32 moments: :func:`_mixed_kernel`).
+    ``step`` (a float32 scalar tensor on the tile's device) must already count this step (the caller increments it once per optimizer step).
     ``threads`` > 1 (tiles of 1M elements or more): that many chunks stepped on ``pool``, the stepping
     object's own (:func:`step_pool`; without one, a pool for this call)."""
     if threads <= 1 or param.numel() < 1 << 20:
