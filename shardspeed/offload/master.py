@@ -143,8 +143,10 @@ class OffloadedMasterWeights(MasterWeights):
         self._build_stores(group_of_param, nvme)
         if muon:
             assert self.device_store is not None and self.host_store is not None  # built just now
+            tensor_of = {(ui, pc.chunk_start): id(view) for ui, (pieces, views) in
+                         enumerate(zip(self.trainable_pieces, self.piece_tensors)) for pc, view in zip(pieces, views)}
             self.muon_tiles = MuonTiles([(self.device_store, self.device_tiles), (self.host_store, self.host_tiles)],
-                                        self.units, self.trainable_pieces, self.piece_tensors)
+                                        self.units, self.state_segments(), tensor_of)
 
     def _build_stores(self, group_of_param: Dict[int, int], nvme: bool) -> None:
         """The tiled path's tiles, stores (host memory or NVMe files; the device for units kept there by
@@ -183,38 +185,33 @@ class OffloadedMasterWeights(MasterWeights):
     def step(self, loss_scale: float, clip: float) -> StepResult:
         if not self.tiled:
             return super().step(loss_scale, clip)
-        if self.muon_tiles is not None:
-            return self._step_muon(loss_scale, clip)
+        muon = self.muon_tiles is not None  # Muon clips its updates, not the gradients (muon_step.py)
         grads = [self.reducer.grad_shard(i) for i in range(len(self.units))]
-        norm, coef = self.grad_coefficient(grads, loss_scale, clip)  # on the device, from the chunks as they are
+        # on the device, from the chunks as they are
+        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0 if muon else clip)
         if coef is None:
             return StepResult(True, norm)  # nothing was copied; the host step is skipped
         self.step_count += 1
         self._host_step.fill_(self.step_count)
         self._device_step.fill_(self.step_count)
-        hyper = [hyper_of(self.optimizer, g) for g in self.optimizer.param_groups]
-        self._step_device_tiles(grads, coef, hyper)
-        self._step_host_tiles(grads, coef, hyper)
+        if muon:
+            norm = self._step_muon(grads, coef, clip)
+        else:
+            hyper = [hyper_of(self.optimizer, g) for g in self.optimizer.param_groups]
+            self._step_device_tiles(grads, coef, hyper)
+            self._step_host_tiles(grads, coef, hyper)
         self._gather_units()
         return StepResult(False, norm)
 
-    def _step_muon(self, loss_scale: float, clip: float) -> StepResult:
-        """Muon with its state in the stores (:mod:`.muon_step`): DeepSpeed's norm over the updates, clipped
-        there; the gradient shards are unscaled in place first."""
+    def _step_muon(self, grads: List[Optional[torch.Tensor]], coef: float, clip: float) -> float:
+        """Muon with its state in the stores (:mod:`.muon_step`): the gradient shards unscaled in place, then
+        DeepSpeed's norm over the updates (returned), clipped there."""
         assert self.muon_tiles is not None and isinstance(self.optimizer, MuonWithAuxAdam)
-        grads = [self.reducer.grad_shard(i) for i in range(len(self.units))]
-        norm, coef = self.grad_coefficient(grads, loss_scale, 0.0)
-        if coef is None:
-            return StepResult(True, norm)
-        self.step_count += 1
-        self._host_step.fill_(self.step_count)
         if coef != 1.0:
             for g in grads:
                 if g is not None:
                     g.mul_(coef)
-        norm = step_muon_tiles(self.muon_tiles, self.optimizer, grads, clip, self._host_step)
-        self._gather_units()
-        return StepResult(False, norm)
+        return step_muon_tiles(self.muon_tiles, self.optimizer, grads, clip, self._host_step)
 
     def _step_device_tiles(self, grads, coef: float, hyper) -> None:
         assert self.device_store is not None  # tiled
@@ -311,16 +308,20 @@ class OffloadedMasterWeights(MasterWeights):
     def saved_states(self, seg: StateSegment) -> Tuple[Tuple[str, str], ...]:
         """(name in a checkpoint, name in the store) of a segment's optimizer states: Adam's two moments, or a
         Muon piece's momentum (kept in the store's first slot), named as ``optimizer.state`` names them."""
-        if self.muon_tiles is not None and self.optimizer.param_groups[seg.tile.group]["use_muon"]:
+        if self._muon_segment(seg):
             return (("momentum_buffer", "exp_avg"),)
         return (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+    def _muon_segment(self, seg: StateSegment) -> bool:
+        """Whether a segment belongs to a Muon group of Muon's tiled step (its momentum in the first slot)."""
+        return self.muon_tiles is not None and bool(self.optimizer.param_groups[seg.tile.group]["use_muon"])
 
     def saved_step(self, seg: StateSegment) -> Optional[Union[torch.Tensor, int]]:
         """A segment's step count as ``optimizer.state`` holds it: torch Adam's 0-dim float tensor, the count
         itself for Muon's auxiliary AdamW, none for a Muon piece."""
         if self.muon_tiles is None:
             return torch.tensor(float(self.step_count), dtype=torch.float32)
-        return None if self.optimizer.param_groups[seg.tile.group]["use_muon"] else int(self.step_count)
+        return None if self._muon_segment(seg) else int(self.step_count)
 
     def read_segment(self, seg: StateSegment, name: str) -> torch.Tensor:
         """One state (``master``, ``exp_avg``, ``exp_avg_sq``) over a segment: a view of memory, or a copy

@@ -16,7 +16,7 @@ So the files are read twice and written twice per step for Muon tiles (once each
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -27,6 +27,9 @@ from .cpu_adam import AdamHyper, adam_step
 from .store import MemoryStateStore, NvmeStateStore, TileState
 from .tiles import Tile
 
+if TYPE_CHECKING:  # offload/master.py imports this module
+    from .master import StateSegment
+
 __all__ = ["MuonTiles", "step_muon_tiles"]
 
 Store = Union[MemoryStateStore, NvmeStateStore]
@@ -36,21 +39,19 @@ Segments = List[Tuple[int, Piece, int, int]]
 
 class MuonTiles:
     """What the two passes need of an offloaded master: the stores with their tiles, the units, and per tile
-    the optimizer tensors (ids) of the pieces it holds."""
+    the pieces it holds with their optimizer tensors (ids)."""
 
     def __init__(self, stores: Sequence[Tuple[Store, Sequence[Tile]]], units: Sequence[FlatParamUnit],
-                 pieces: Sequence[Sequence[Piece]], tensors: Sequence[Sequence[torch.Tensor]]):
+                 segments: Sequence[StateSegment], tensor_of: Dict[Tuple[int, int], int]):
+        """``segments``: every (trainable piece ∩ tile), as the offloaded master cuts them; ``tensor_of``:
+        ``{(unit, piece's chunk start): id(optimizer tensor)}``."""
         self.stores = list(stores)
         self.units = list(units)
         self.segments: Dict[Tuple[int, int], Segments] = {}
-        for tiles in (t for _, t in self.stores):
-            for t in tiles:
-                segs = []
-                for pc, view in zip(pieces[t.unit], tensors[t.unit]):
-                    lo, hi = max(pc.chunk_start, t.lo), min(pc.chunk_start + pc.numel, t.hi)
-                    if lo < hi:
-                        segs.append((id(view), pc, lo, hi))
-                self.segments[(t.unit, t.index)] = segs
+        for seg in segments:
+            t = seg.tile
+            self.segments.setdefault((t.unit, t.index), []).append(
+                (tensor_of[(t.unit, seg.piece.chunk_start)], seg.piece, seg.lo, seg.hi))
 
     def tiles_of(self, tiles: Sequence[Tile], opt: MuonWithAuxAdam, muon: bool) -> List[Tile]:
         return [t for t in tiles if bool(opt.param_groups[t.group]["use_muon"]) is muon]
@@ -83,7 +84,7 @@ def _blends(mt: MuonTiles, opt: MuonWithAuxAdam, grads) -> Dict[int, torch.Tenso
         for t, st in _streamed(store, mt.tiles_of(tiles, opt, True)):
             blend = opt.nesterov_update(_grad_tile(grads, t, st.master), st.exp_avg,
                                         opt.param_groups[t.group]["momentum"])
-            for key, pc, lo, hi in mt.segments[(t.unit, t.index)]:
+            for key, pc, lo, hi in mt.segments.get((t.unit, t.index), []):
                 dst = out.setdefault(key, torch.zeros(pc.numel, dtype=blend.dtype, device=blend.device))
                 dst[lo - pc.chunk_start:hi - pc.chunk_start] = blend[lo - t.lo:hi - t.lo]
     return out
@@ -97,7 +98,7 @@ def _adam_grads(mt: MuonTiles, opt: MuonWithAuxAdam, grads) -> Dict[int, torch.T
             g = grads[t.unit]
             if g is None:
                 continue
-            for key, pc, _, _ in mt.segments[(t.unit, t.index)]:
+            for key, pc, _, _ in mt.segments.get((t.unit, t.index), []):
                 out.setdefault(key, g[pc.chunk_start:pc.chunk_start + pc.numel])
     return out
 
@@ -111,7 +112,7 @@ def _apply(mt: MuonTiles, opt: MuonWithAuxAdam, grads, done: Dict[int, torch.Ten
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             if group["use_muon"]:
                 upd = torch.empty_like(st.master)
-                for key, pc, lo, hi in mt.segments[(t.unit, t.index)]:
+                for key, pc, lo, hi in mt.segments.get((t.unit, t.index), []):
                     upd[lo - t.lo:hi - t.lo] = done[key][lo - pc.chunk_start:hi - pc.chunk_start]
                 st.master.mul_(1 - lr * wd).add_(upd, alpha=-lr)
             else:
